@@ -1,0 +1,430 @@
+"""Reference NVFP4 quantization (pure PyTorch, any device).
+
+This module is the numeric oracle of the project: it produces exactly the bytes
+described in ``/work/shared/NVFP4.md`` (the semantics of vLLM's
+``scaled_fp4_quant``), so GPU producers can be compared to it byte for byte.
+
+Format summary (see ``docs/nvfp4.md`` for the full description):
+
+* ``x`` ``[M, K]`` is cut into blocks of 16 consecutive elements along ``K``.
+* Each block gets one ``float8_e4m3fn`` scale
+  ``sf = e4m3(min(gs * amax / 6, 448))``, where ``gs`` is the global scale.
+* Each element is stored as a 4-bit e2m1 code of ``x * gs / sf``; two codes per
+  byte, element ``2j`` in the low nibble of byte ``j``.
+* The scales are stored either linearly (``[M, K/16]``) or in the "128x4
+  swizzled" layout that CUTLASS / FlashInfer NVFP4 GEMMs read.
+
+Everything is written with plain tensor ops so that it also runs under
+``FakeTensorMode``, on the meta device and under ``torch.compile`` (value checks
+on ``global_scale`` are skipped there).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+__all__ = [
+    "BLOCK_SIZE",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "E2M1_VALUES",
+    "round_up",
+    "scale_shape",
+    "swizzled_offset",
+    "swizzle_scales",
+    "unswizzle_scales",
+    "quantize",
+    "dequantize",
+    "unpack_codes",
+    "codes_to_values",
+    "half_step",
+    "error_bound",
+]
+
+BLOCK_SIZE = 16
+"""Number of consecutive elements along K that share one scale."""
+
+E2M1_MAX = 6.0
+"""Largest magnitude representable by an e2m1 code."""
+
+E4M3_MAX = 448.0
+"""Largest finite float8_e4m3fn value; block scales saturate here."""
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""Magnitudes of e2m1 codes 0..7 (codes 8..15 are the same values, negated)."""
+
+# Largest |q - value| over all q that round to a code, per magnitude index.
+# For code 7 (6.0) only the non-saturating side (5, 6] is counted.
+_HALF_STEPS = (0.25, 0.25, 0.25, 0.25, 0.5, 0.5, 1.0, 1.0)
+
+_FP8 = torch.float8_e4m3fn
+_X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_SWIZZLE_ROWS = 128  # rows per swizzle tile
+_SWIZZLE_COLS = 4  # block columns per swizzle tile
+
+
+# --------------------------------------------------------------------------
+# Shapes and the swizzled scale layout
+# --------------------------------------------------------------------------
+
+
+def round_up(x: int, m: int) -> int:
+    """Smallest multiple of ``m`` that is >= ``x``. Works for ints and SymInts."""
+    return (x + m - 1) // m * m
+
+
+def scale_shape(m: int, k: int, *, swizzled: bool = True) -> tuple[int, int]:
+    """Shape of the float8_e4m3fn scale buffer for an ``[m, k]`` input.
+
+    Swizzled: ``(round_up(m, 128), round_up(k // 16, 4))``; linear: ``(m, k // 16)``.
+    ``k`` must be a multiple of 16.
+    """
+    if isinstance(k, int) and k % BLOCK_SIZE != 0:
+        raise ValueError(f"scale_shape: k must be divisible by {BLOCK_SIZE} (got {k})")
+    n_blocks = k // BLOCK_SIZE
+    if not swizzled:
+        return (m, n_blocks)
+    return (round_up(m, _SWIZZLE_ROWS), round_up(n_blocks, _SWIZZLE_COLS))
+
+
+def swizzled_offset(m, c, n_blocks: int):
+    """Flat byte offset of the scale of (row ``m``, block column ``c``).
+
+    Implements the formula of NVFP4.md for a swizzled buffer whose rows hold
+    ``round_up(n_blocks, 4)`` scales. ``m`` and ``c`` may be ints or integer
+    tensors (broadcast together).
+    """
+    kt = round_up(n_blocks, _SWIZZLE_COLS) // _SWIZZLE_COLS
+    tile = (m // 128) * kt + c // 4
+    return tile * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4
+
+
+def swizzle_scales(scales_linear: torch.Tensor) -> torch.Tensor:
+    """Linear ``[M, K/16]`` fp8 scales -> swizzled ``[round_up(M,128), round_up(K/16,4)]``.
+
+    The input is zero-padded to the buffer shape, viewed as
+    ``[Mp/128, 4, 32, Kt, 4]`` (tile row, row group, row in group, tile column,
+    column in tile) and permuted to ``[Mp/128, Kt, 32, 4, 4]``; the bytes of that
+    array, read in order, are the swizzled buffer. Padding entries are zero.
+    """
+    if scales_linear.dtype != _FP8 or scales_linear.dim() != 2:
+        raise ValueError(
+            "swizzle_scales: scales_linear must be a 2-D float8_e4m3fn tensor "
+            f"(got dtype {scales_linear.dtype}, shape {list(scales_linear.shape)})"
+        )
+    m, n_blocks = scales_linear.shape
+    mp, np_ = scale_shape(m, n_blocks * BLOCK_SIZE, swizzled=True)
+    # Byte-level work on a uint8 view: float8 support for pad/copy varies by device.
+    padded = scales_linear.new_zeros((mp, np_), dtype=torch.uint8)
+    padded[:m, :n_blocks] = scales_linear.view(torch.uint8)
+    tiles = padded.reshape(mp // 128, 4, 32, np_ // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(mp, np_).view(_FP8)
+
+
+def unswizzle_scales(swizzled: torch.Tensor, m: int, n_blocks: int) -> torch.Tensor:
+    """Inverse of :func:`swizzle_scales`: swizzled buffer -> linear ``[m, n_blocks]``.
+
+    ``swizzled`` is float8_e4m3fn ``[R, round_up(n_blocks, 4)]`` with ``R`` a
+    multiple of 128 and ``R >= m``.
+    """
+    if swizzled.dtype != _FP8 or swizzled.dim() != 2:
+        raise ValueError(
+            "unswizzle_scales: swizzled must be a 2-D float8_e4m3fn tensor "
+            f"(got dtype {swizzled.dtype}, shape {list(swizzled.shape)})"
+        )
+    rows, cols = swizzled.shape
+    if cols != round_up(n_blocks, 4) or rows % 128 != 0 or rows < m:
+        raise ValueError(
+            f"unswizzle_scales: swizzled must have shape [R, {round_up(n_blocks, 4)}] with R "
+            f"a multiple of 128 and R >= m={m} (got shape {list(swizzled.shape)})"
+        )
+    tiles = swizzled.view(torch.uint8).reshape(rows // 128, cols // 4, 32, 4, 4)
+    linear = tiles.permute(0, 3, 2, 1, 4).reshape(rows, cols)
+    return linear[:m, :n_blocks].contiguous().view(_FP8)
+
+
+# --------------------------------------------------------------------------
+# e2m1 codes
+# --------------------------------------------------------------------------
+
+
+def _e2m1_encode(q: torch.Tensor) -> torch.Tensor:
+    """float32 values -> uint8 e2m1 codes (nearest, ties to even code, saturating).
+
+    The thresholds are the midpoints between neighbouring magnitudes; ``>`` at a
+    midpoint sends the tie down, ``>=`` sends it up, chosen so that the tie lands
+    on the even code index (0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2,
+    3.5->4, 5->4). The sign bit comes from ``signbit`` so -0.0 gives 0x8.
+    """
+    a = q.abs()
+    index = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75).to(torch.uint8)
+        + (a > 1.25).to(torch.uint8)
+        + (a >= 1.75).to(torch.uint8)
+        + (a > 2.5).to(torch.uint8)
+        + (a >= 3.5).to(torch.uint8)
+        + (a > 5.0).to(torch.uint8)
+    )
+    return index | (torch.signbit(q).to(torch.uint8) << 3)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., K/2]`` -> uint8 codes ``[..., K]`` (low nibble is the even element)."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_codes: packed must be uint8 (got {packed.dtype})")
+    pairs = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def codes_to_values(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (any integer dtype, values 0..15) -> float32 values (code 8 is -0.0)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    table = torch.cat((table, -table))
+    return table[codes.long()]
+
+
+def half_step(codes: torch.Tensor) -> torch.Tensor:
+    """Largest rounding distance, in code units, of values that round to ``codes``.
+
+    float32, same shape as ``codes``: 0.25 for magnitudes 0..1.5, 0.5 for 2 and 3,
+    1.0 for 4 and 6. For code 6.0 only inputs up to 6 are covered (saturation of
+    larger inputs is not a rounding step). Multiply by ``float(sf) / gs`` to get
+    the element's error in input units.
+    """
+    table = torch.tensor(_HALF_STEPS, dtype=torch.float32, device=codes.device)
+    return table[(codes & 0x7).long()]
+
+
+# --------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------
+
+
+def _is_concrete(t: torch.Tensor) -> bool:
+    """True when ``t`` holds real data that ``.item()`` can read."""
+    # is_compiling() first: dynamo refuses to trace into is_fake.
+    if torch.compiler.is_compiling():
+        return False
+    return not (is_fake(t) or t.device.type == "meta")
+
+
+def _check_global_scale(fn: str, global_scale, device: torch.device) -> None:
+    if not isinstance(global_scale, torch.Tensor) or global_scale.dtype != torch.float32:
+        got = global_scale.dtype if isinstance(global_scale, torch.Tensor) else type(global_scale)
+        raise TypeError(f"{fn}: global_scale must be a float32 tensor (got {got})")
+    if global_scale.numel() != 1:
+        raise ValueError(
+            f"{fn}: global_scale must have exactly one element "
+            f"(got shape {list(global_scale.shape)})"
+        )
+    if global_scale.device != device:
+        raise ValueError(
+            f"{fn}: global_scale must be on the same device as the data "
+            f"(got {global_scale.device}, expected {device})"
+        )
+    if _is_concrete(global_scale):
+        value = global_scale.item()
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{fn}: global_scale must be positive and finite (got {value})")
+
+
+def _check_x(fn: str, x: torch.Tensor, global_scale: torch.Tensor) -> None:
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"{fn}: x must be float16, bfloat16 or float32 (got {x.dtype})")
+    if x.dim() == 0:
+        raise ValueError(f"{fn}: x must have at least one dimension (got a 0-d tensor)")
+    if x.shape[-1] % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"{fn}: x must have a last dimension divisible by {BLOCK_SIZE} "
+            f"(got shape {list(x.shape)})"
+        )
+    _check_global_scale(fn, global_scale, x.device)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``[..., K]`` -> float32 ``[M, K/16, 16]``; leading dims flattened into M."""
+    k = x.shape[-1]
+    m = math.prod(x.shape[:-1])
+    return x.reshape(m, k // BLOCK_SIZE, BLOCK_SIZE).float()
+
+
+# --------------------------------------------------------------------------
+# Quantize / dequantize
+# --------------------------------------------------------------------------
+
+
+def quantize(
+    x: torch.Tensor, global_scale: torch.Tensor, *, swizzled: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to NVFP4.
+
+    Args:
+        x: float16 / bfloat16 / float32 ``[..., K]`` with ``K % 16 == 0``; the
+            leading dims are flattened into ``M`` rows.
+        global_scale: float32 tensor with exactly one positive finite element,
+            on ``x``'s device.
+        swizzled: scale layout, 128x4 swizzled (default) or linear.
+
+    Returns:
+        ``(packed, scales)``: ``packed`` is uint8 ``[M, K/2]``, byte ``j`` of a
+        row holding element ``2j`` in bits 0-3 and ``2j+1`` in bits 4-7.
+        ``scales`` is float8_e4m3fn of shape ``scale_shape(M, K, swizzled=...)``,
+        padding entries zero.
+
+    Per 16-element block: ``amax`` in float32,
+    ``sf = e4m3(min(gs * amax / 6, 448))`` (round to nearest even),
+    ``inv = gs / float(sf)`` (0 if ``sf == 0``), codes = e2m1 of ``x * inv``.
+    """
+    _check_x("quantize", x, global_scale)
+    blocks = _blocks(x)  # [M, nb, 16]
+    m, n_blocks, _ = blocks.shape
+    gs = global_scale.reshape(())
+
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    # torch's float -> e4m3fn cast does not saturate (>= 464 becomes NaN): clamp first.
+    sf = (gs * amax / 6.0).clamp(max=E4M3_MAX).to(_FP8)
+    sf32 = sf.float()
+    inv = torch.where(sf32 == 0, torch.zeros_like(sf32), gs / sf32)
+    codes = _e2m1_encode(blocks * inv).reshape(m, n_blocks * BLOCK_SIZE)
+
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scales = sf.reshape(m, n_blocks)
+    scales = swizzle_scales(scales) if swizzled else scales.contiguous()
+    return packed, scales
+
+
+def _linear_scales(
+    scales: torch.Tensor, m: int, n_blocks: int, swizzled: bool
+) -> torch.Tensor:
+    """Validate a dequantize ``scales`` argument; return linear fp8 ``[m, n_blocks]``."""
+    if scales.dtype == torch.int32:  # vLLM allocation: 4 fp8 scales per int32
+        scales = scales.view(_FP8)
+    if scales.dtype != _FP8 or scales.dim() != 2:
+        raise ValueError(
+            "dequantize: scales must be a 2-D float8_e4m3fn (or int32-allocated) tensor "
+            f"(got dtype {scales.dtype}, shape {list(scales.shape)})"
+        )
+    rows, cols = scales.shape
+    want_cols = round_up(n_blocks, 4) if swizzled else n_blocks
+    if cols != want_cols or (swizzled and rows % 128 != 0):
+        rows_rule = "R a multiple of 128" if swizzled else "R >= m"
+        raise ValueError(
+            f"dequantize: scales must have shape [R, {want_cols}] (fp8 view) with "
+            f"{rows_rule} for K={n_blocks * BLOCK_SIZE} (got shape {list(scales.shape)})"
+        )
+    if m > rows:
+        raise ValueError(f"dequantize: m={m} is larger than the number of scale rows ({rows})")
+    if swizzled:
+        return unswizzle_scales(scales, m, n_blocks)
+    return scales[:m]
+
+
+def dequantize(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: torch.Tensor,
+    *,
+    m: int | None = None,
+    swizzled: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode NVFP4 data: ``x_hat = e2m1_value(code) * float(sf) / gs``.
+
+    Args:
+        packed: uint8 ``[M, K/2]`` as returned by :func:`quantize`.
+        scales: float8_e4m3fn scale buffer, swizzled ``[R, round_up(K/16, 4)]``
+            (``R`` a multiple of 128) or linear ``[R, K/16]``; an int32 tensor
+            (vLLM's allocation, 4 scales per element) is viewed as fp8.
+        global_scale: float32 tensor with one positive finite element.
+        m: number of rows to decode (default ``packed.shape[0]``); must not
+            exceed the rows of ``packed`` or of ``scales``.
+        swizzled: layout of ``scales``.
+        dtype: output dtype (computed in float32, then cast).
+
+    Returns:
+        ``[m, K]`` tensor of ``dtype``.
+    """
+    if packed.dtype != torch.uint8 or packed.dim() != 2:
+        raise ValueError(
+            "dequantize: packed must be a 2-D uint8 tensor [M, K/2] "
+            f"(got dtype {packed.dtype}, shape {list(packed.shape)})"
+        )
+    k = packed.shape[1] * 2
+    if k % BLOCK_SIZE != 0:
+        raise ValueError(
+            f"dequantize: packed must have K/2 divisible by {BLOCK_SIZE // 2} "
+            f"(got shape {list(packed.shape)})"
+        )
+    m = packed.shape[0] if m is None else m
+    if not 0 <= m <= packed.shape[0]:
+        raise ValueError(
+            f"dequantize: m must be in [0, {packed.shape[0]}] (the rows of packed) (got {m})"
+        )
+    if scales.device != packed.device:
+        raise ValueError(
+            f"dequantize: scales must be on the same device as packed "
+            f"(got {scales.device}, expected {packed.device})"
+        )
+    _check_global_scale("dequantize", global_scale, packed.device)
+    n_blocks = k // BLOCK_SIZE
+    sf = _linear_scales(scales, m, n_blocks, swizzled).float()  # [m, nb]
+
+    values = codes_to_values(unpack_codes(packed[:m])).reshape(m, n_blocks, BLOCK_SIZE)
+    x_hat = values * sf.unsqueeze(-1) / global_scale.reshape(())
+    return x_hat.reshape(m, k).to(dtype)
+
+
+# --------------------------------------------------------------------------
+# Error bound
+# --------------------------------------------------------------------------
+
+
+def error_bound(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Per-element upper bound on ``|x - dequantize(quantize(x, gs))|``.
+
+    Returns float32 ``[M, K]`` (leading dims of ``x`` flattened), constant over
+    each 16-element block::
+
+        bound = s * (1 + 2**-4) + 6 * 2**-10 / gs + max(amax - 6 * 448 / gs, 0)
+
+    with ``amax`` the block's max magnitude and ``s = amax / 6``.
+
+    Derivation. Let ``t = gs * s`` (the unrounded scale), ``sf`` its e4m3
+    rounding and ``d = sf / gs`` the step that multiplies codes on decode. An
+    element decodes to ``v * d`` with ``v`` the e2m1 value of ``q = x / d``.
+
+    * If ``|q| <= 6``, ``|q - v|`` is at most half the gap between neighbouring
+      magnitudes, at most 1 (the 4..6 gap), so the error is ``<= d``.
+    * If ``|q| > 6`` the code saturates at 6 and the error is
+      ``|x| - 6 d <= amax - 6 d``.
+
+    Hence error ``<= max(d, amax - 6 d)``. Bounding ``d`` by the e4m3 rounding:
+
+    * normal range (``2**-6 <= t <= 448``): ``|sf - t| <= t / 17`` (3 mantissa
+      bits, worst case just above ``1.0625 * 2**e``), so ``d <= s * 18/17`` and
+      ``amax - 6 d <= 6 s / 17 < d``: error ``<= s * (1 + 2**-4)``;
+    * subnormal range (``t < 2**-6``): ``|sf - t| <= 2**-10`` (half the spacing
+      ``2**-9``), so ``d <= s + 2**-10 / gs`` and
+      ``amax - 6 d <= 6 * 2**-10 / gs``. When ``sf`` rounds to 0 the block
+      decodes to 0 and the error is ``|x| <= amax = 6 t / gs <= 6 * 2**-10 / gs``;
+    * saturated range (``t > 448``): ``sf = 448``, ``d = 448 / gs < s``, and
+      elements beyond ``6 d`` lose ``amax - 6 * 448 / gs``.
+
+    The sum of the three terms covers every case. The margin of the first
+    term over ``18/17`` (a relative ``1/272``) absorbs the float32 roundings of
+    ``gs * amax / 6``, ``gs / sf``, ``x * inv`` and of the decode, which are of
+    relative size ``2**-23`` each.
+    """
+    _check_x("error_bound", x, global_scale)
+    blocks = _blocks(x)
+    gs = global_scale.reshape(())
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    s = amax / 6.0
+    saturation = (amax - 6.0 * E4M3_MAX / gs).clamp(min=0)
+    bound = s * (1 + 2**-4) + 6 * 2**-10 / gs + saturation
+    m, n_blocks, _ = blocks.shape
+    return bound.expand(blocks.shape).reshape(m, n_blocks * BLOCK_SIZE)

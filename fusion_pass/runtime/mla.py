@@ -1,0 +1,172 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) runtime.
+
+Per token the cache holds one latent row ``[kv_lora_rank + qk_rope_head_dim]``:
+the normalised compressed kv (``kv_c_normed``) followed by the rotary key part
+shared by all heads (``k_pe``).  ``kv_b_proj`` expands the latent into the
+per-head ``k_nope`` (rows ``W_UK``) and ``v`` (rows ``W_UV``).
+
+Requests are computed the way vLLM's MLA backends compute them:
+
+* decode (``query_len == 1``): the absorbed, MQA form.  ``q_nope`` is mapped
+  through ``W_UK`` into latent space, attention runs over the cached latent
+  rows directly (one shared "kv head"), and the latent output is mapped through
+  ``W_UV``.  The cache is never expanded.
+* prefill: ``k_nope``/``v`` are expanded from the new tokens' latents, causal
+  attention over the new tokens.
+* prefill with cached context (chunked prefill): as prefill, plus a
+  non-causal attention over the expanded context rows; the two are merged by
+  log-sum-exp.
+
+All math is float32; the cache keeps the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_pass.runtime.context import BatchSpec, _RequestCache
+from fusion_pass.runtime.dense import attention_with_lse, merge_attention
+
+__all__ = ["MLAAttentionImpl"]
+
+
+def _positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class MLAAttentionImpl:
+    """MLA attention for one layer, with its per-request latent cache.
+
+    Args:
+        num_heads: query heads ``H`` (of this rank).
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank: the MLA
+            dims (``nope``, ``rope``, ``v``, ``L``).
+        kv_b_proj_weight: ``kv_b_proj``'s ``nn.Linear`` weight,
+            ``[H * (nope + v), L]``; per head the first ``nope`` rows are
+            ``W_UK``, the next ``v`` rows ``W_UV``.  Held by reference (a module
+            owning the parameter shares it), read in float32 at each forward.
+        softmax_scale: scale of ``q . k`` (the same for every path).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        kv_lora_rank: int,
+        kv_b_proj_weight: torch.Tensor,
+        softmax_scale: float,
+    ) -> None:
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.qk_nope_head_dim = _positive_int("qk_nope_head_dim", qk_nope_head_dim)
+        self.qk_rope_head_dim = _positive_int("qk_rope_head_dim", qk_rope_head_dim)
+        self.v_head_dim = _positive_int("v_head_dim", v_head_dim)
+        self.kv_lora_rank = _positive_int("kv_lora_rank", kv_lora_rank)
+        expected = (num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)
+        if not isinstance(kv_b_proj_weight, torch.Tensor) or tuple(kv_b_proj_weight.shape) != expected:
+            got = tuple(kv_b_proj_weight.shape) if isinstance(kv_b_proj_weight, torch.Tensor) else kv_b_proj_weight
+            raise ValueError(
+                f"kv_b_proj_weight must have shape [num_heads * (qk_nope_head_dim + v_head_dim), "
+                f"kv_lora_rank] = {list(expected)}, got {got}"
+            )
+        self.kv_b_proj_weight = kv_b_proj_weight
+        self.softmax_scale = float(softmax_scale)
+        self._cache = _RequestCache()
+
+    # -- cache -------------------------------------------------------------
+
+    def clear_cache(self) -> None:
+        """Drop every request's cached latents."""
+        self._cache.clear()
+
+    def cache_len(self, request_id: str) -> int:
+        """Number of tokens cached for ``request_id`` (0 if unknown)."""
+        return self._cache.length(request_id)
+
+    # -- forward -------------------------------------------------------------
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``W_UK [H, nope, L]`` and ``W_UV [H, v, L]``."""
+        w = self.kv_b_proj_weight.detach().float()
+        w = w.reshape(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def _check_inputs(
+        self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, spec: BatchSpec
+    ) -> torch.Tensor:
+        """Validate shapes; return ``k_pe`` as ``[T, rope]``."""
+        t, h = spec.num_tokens, self.num_heads
+        nope, rope, lora = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        if tuple(q.shape) != (t, h, nope + rope):
+            raise ValueError(f"q must have shape [T, H, nope + rope] = {[t, h, nope + rope]}, got {tuple(q.shape)}")
+        if tuple(kv_c_normed.shape) != (t, lora):
+            raise ValueError(
+                f"kv_c_normed must have shape [T, kv_lora_rank] = {[t, lora]}, got {tuple(kv_c_normed.shape)}"
+            )
+        if tuple(k_pe.shape) not in ((t, 1, rope), (t, rope)):
+            raise ValueError(
+                f"k_pe must have shape [T, 1, rope] = {[t, 1, rope]} or [T, rope], got {tuple(k_pe.shape)}"
+            )
+        if k_pe.dtype != kv_c_normed.dtype:
+            raise ValueError(f"k_pe dtype {k_pe.dtype} != kv_c_normed dtype {kv_c_normed.dtype} (one latent cache)")
+        return k_pe.reshape(t, rope)
+
+    def _expand(self, latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
+        """Latent rows ``[S, L + rope]`` -> float32 k ``[S, H, nope + rope]``, v ``[S, H, v]``."""
+        kv_c = latent[:, : self.kv_lora_rank].float()
+        k_pe = latent[:, self.kv_lora_rank :].float()
+        k_nope = torch.einsum("sl,hnl->shn", kv_c, w_uk)
+        v = torch.einsum("sl,hvl->shv", kv_c, w_uv)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
+        return k, v
+
+    def forward(
+        self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, spec: BatchSpec
+    ) -> torch.Tensor:
+        """Attention for the batch ``spec``; appends the new latents to the cache.
+
+        Args:
+            q: ``[T, H, nope + rope]`` (``T = spec.num_tokens``, tokens in the
+                spec's request order).
+            kv_c_normed: ``[T, kv_lora_rank]``.
+            k_pe: ``[T, 1, rope]`` or ``[T, rope]``, same dtype as ``kv_c_normed``.
+
+        Returns:
+            float32 ``[T, H, v_head_dim]``.
+        """
+        k_pe = self._check_inputs(q, kv_c_normed, k_pe, spec)
+        self._cache.check(spec)  # before any entry changes
+        w_uk, w_uv = self._weights()
+        nope, lora = self.qk_nope_head_dim, self.kv_lora_rank
+        out = torch.empty(spec.num_tokens, self.num_heads, self.v_head_dim, dtype=torch.float32, device=q.device)
+
+        locs = spec.query_start_loc()
+        for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
+            new_rows = torch.cat([kv_c_normed[start:end], k_pe[start:end]], dim=-1)  # input dtype
+            (latent,) = self._cache.extend(req, (new_rows,), owned=True)  # [ctx + len, L + rope]
+            q_r = q[start:end].float()
+            if req.is_decode:
+                # Absorbed form: scores in latent space against the cached rows.
+                q_lat = torch.einsum("thn,hnl->thl", q_r[..., :nope], w_uk)
+                q_mqa = torch.cat([q_lat, q_r[..., nope:]], dim=-1)  # [1, H, L + rope]
+                keys = latent.unsqueeze(1)  # [S, 1, L + rope], one shared head
+                o_lat, _ = attention_with_lse(
+                    q_mqa, keys, keys[..., :lora], scale=self.softmax_scale, causal=False
+                )
+                out[start:end] = torch.einsum("thl,hvl->thv", o_lat, w_uv)
+                continue
+            ctx = req.context_len
+            k_new, v_new = self._expand(latent[ctx:], w_uk, w_uv)
+            o, lse = attention_with_lse(q_r, k_new, v_new, scale=self.softmax_scale, causal=True)
+            if ctx > 0:
+                k_ctx, v_ctx = self._expand(latent[:ctx], w_uk, w_uv)
+                o_ctx, lse_ctx = attention_with_lse(q_r, k_ctx, v_ctx, scale=self.softmax_scale, causal=False)
+                o, lse = merge_attention(o_ctx, lse_ctx, o, lse)
+            out[start:end] = o
+        return out
+
+    __call__ = forward

@@ -1,0 +1,96 @@
+"""Standard multi-head / grouped-query attention runtime.
+
+Each request's keys and values are cached as ``k [S, Hkv, D]`` and
+``v [S, Hkv, Dv]`` in the input dtype.  Every request, whatever its kind, is
+one softmax over its cached context followed by its new tokens, with the causal
+mask offset by ``context_len``: a decode token sees everything, a prefill token
+sees the context and the new tokens up to itself.  (Unlike the MLA runtime
+there is no context/new split, so no LSE merge: with one key/value form for
+both, a single softmax is the simplest exact formulation.)
+
+All math is float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_pass.runtime.context import BatchSpec, _RequestCache
+from fusion_pass.runtime.dense import attention_with_lse
+
+__all__ = ["AttentionImpl"]
+
+
+def _positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+class AttentionImpl:
+    """MHA/GQA attention for one layer, with its per-request KV cache.
+
+    Args:
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads ``Hkv`` (``H % Hkv == 0``).
+        head_dim: ``D`` of q and k.
+        v_head_dim: ``Dv`` of v (default ``head_dim``).
+        softmax_scale: scale of ``q . k``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        softmax_scale: float,
+    ) -> None:
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.head_dim = _positive_int("head_dim", head_dim)
+        self.v_head_dim = head_dim if v_head_dim is None else _positive_int("v_head_dim", v_head_dim)
+        self.softmax_scale = float(softmax_scale)
+        self._cache = _RequestCache()
+
+    def clear_cache(self) -> None:
+        """Drop every request's cached keys and values."""
+        self._cache.clear()
+
+    def cache_len(self, request_id: str) -> int:
+        """Number of tokens cached for ``request_id`` (0 if unknown)."""
+        return self._cache.length(request_id)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec) -> torch.Tensor:
+        """Attention for the batch ``spec``; appends the new keys/values to the cache.
+
+        Args:
+            q: ``[T, H, D]`` (``T = spec.num_tokens``, tokens in the spec's order).
+            k: ``[T, Hkv, D]``.
+            v: ``[T, Hkv, Dv]``.
+
+        Returns:
+            float32 ``[T, H, Dv]``.
+        """
+        t = spec.num_tokens
+        for name, x, shape in (
+            ("q", q, (t, self.num_heads, self.head_dim)),
+            ("k", k, (t, self.num_kv_heads, self.head_dim)),
+            ("v", v, (t, self.num_kv_heads, self.v_head_dim)),
+        ):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
+        self._cache.check(spec)  # before any entry changes
+        out = torch.empty(t, self.num_heads, self.v_head_dim, dtype=torch.float32, device=q.device)
+        locs = spec.query_start_loc()
+        for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
+            k_all, v_all = self._cache.extend(req, (k[start:end], v[start:end]))
+            out[start:end], _ = attention_with_lse(
+                q[start:end], k_all, v_all, scale=self.softmax_scale, causal=True, q_offset=req.context_len
+            )
+        return out
+
+    __call__ = forward

@@ -1,0 +1,1 @@
+"""Pattern/replacement pairs matched by the fusion pass (installed as ``fusion_pass.patterns``)."""
