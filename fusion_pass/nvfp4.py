@@ -245,6 +245,16 @@ def _check_x(fn: str, x: torch.Tensor, global_scale: torch.Tensor) -> None:
     _check_global_scale(fn, global_scale, x.device)
 
 
+def _const(like: torch.Tensor, value: float) -> torch.Tensor:
+    """``value`` as a 0-d float32 tensor on ``like``'s device.
+
+    Dividing by a Python number is not IEEE division on every backend: eager
+    CUDA multiplies by its reciprocal instead, which moves the last bit. Dividing
+    by a same-device tensor keeps the reference identical on all devices.
+    """
+    return like.new_full((), value, dtype=torch.float32)
+
+
 def _blocks(x: torch.Tensor) -> torch.Tensor:
     """``[..., K]`` -> float32 ``[M, K/16, 16]``; leading dims flattened into M."""
     k = x.shape[-1]
@@ -285,8 +295,8 @@ def quantize(
     gs = global_scale.reshape(())
 
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    # torch's float -> e4m3fn cast does not saturate (>= 464 becomes NaN): clamp first.
-    sf = (gs * amax / 6.0).clamp(max=E4M3_MAX).to(_FP8)
+    # torch's float -> e4m3fn cast does not saturate in every version (NaN above 448).
+    sf = (gs * amax / _const(amax, 6.0)).clamp(max=E4M3_MAX).to(_FP8)
     sf32 = sf.float()
     inv = torch.where(sf32 == 0, torch.zeros_like(sf32), gs / sf32)
     codes = _e2m1_encode(blocks * inv).reshape(m, n_blocks * BLOCK_SIZE)
@@ -423,8 +433,8 @@ def error_bound(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
     blocks = _blocks(x)
     gs = global_scale.reshape(())
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    s = amax / 6.0
-    saturation = (amax - 6.0 * E4M3_MAX / gs).clamp(min=0)
-    bound = s * (1 + 2**-4) + 6 * 2**-10 / gs + saturation
+    s = amax / _const(amax, 6.0)
+    saturation = (amax - _const(amax, 6.0 * E4M3_MAX) / gs).clamp(min=0)
+    bound = s * (1 + 2**-4) + _const(amax, 6 * 2**-10) / gs + saturation
     m, n_blocks, _ = blocks.shape
     return bound.expand(blocks.shape).reshape(m, n_blocks * BLOCK_SIZE)

@@ -23,6 +23,7 @@ from fusion_pass.nvfp4 import (
 
 FP8 = torch.float8_e4m3fn
 ONE = torch.tensor([1.0])
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # Midpoints between neighbouring e2m1 magnitudes: (tie, index below, index above,
 # index the tie itself goes to under round-to-nearest-even on the code index).
@@ -60,11 +61,11 @@ def codes_with_unit_scale(values) -> list[int]:
     return unpack_codes(packed)[:, 1].tolist()
 
 
-def scale_of_block(amax: float, gs: float) -> float:
+def scale_of_block(amax: float, gs: float, device: str = "cpu") -> float:
     """The fp8 scale chosen for one block whose max magnitude is ``amax``."""
-    x = torch.zeros(1, 16)
+    x = torch.zeros(1, 16, device=device)
     x[0, 3] = amax
-    _, scales = quantize(x, torch.tensor([gs]), swizzled=False)
+    _, scales = quantize(x, torch.tensor([gs], device=device), swizzled=False)
     return scales.float().item()
 
 
@@ -150,11 +151,12 @@ SCALE_TIES = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("t, expected", SCALE_TIES)
-def test_scale_rounds_ties_to_even(t, expected):
+def test_scale_rounds_ties_to_even(t, expected, device):
     # gs = t and amax = 6: gs * amax / 6 == t exactly in float32
     assert f32(f32(t * 6.0) / 6.0) == t
-    assert scale_of_block(6.0, t) == expected
+    assert scale_of_block(6.0, t, device) == expected
 
 
 @pytest.mark.parametrize("t, expected", SCALE_TIES)
@@ -168,7 +170,8 @@ def test_scale_next_to_ties(t, expected):
         assert scale_of_block(6.0, gs) == want
 
 
-def test_float32_evaluation_order():
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_evaluation_order(device):
     # Cases found by search where the formulas of NVFP4.md, evaluated in float32
     # in the order written, land exactly on a tie while a reordered evaluation
     # (gs * (amax / 6), or 1 / (sf / gs)) does not.
@@ -177,14 +180,21 @@ def test_float32_evaluation_order():
     amax, gs = 4.875365257263184, 7.076392650604248
     assert (t32(gs) * t32(amax) / 6).item() == 5.75
     assert (t32(gs) * (t32(amax) / 6)).item() != 5.75
-    assert scale_of_block(amax, gs) == 6.0
+    assert scale_of_block(amax, gs, device) == 6.0
+    # scale: (gs * amax) / 6 lies one ulp below the e4m3 tie 0.0185546875 -> 0.017578125,
+    # while (gs * amax) * float32(1/6) (what eager CUDA does for `tensor / 6.0`)
+    # hits the tie exactly and rounds to even, 0.01953125
+    amax = 0.1113281175494194
+    assert (t32(amax) / t32(6.0)).item() < 0.0185546875
+    assert (t32(amax) * t32(1 / 6)).item() == 0.0185546875
+    assert scale_of_block(amax, 1.0, device) == 0.017578125
     # element: x * (gs / sf) == 0.75, midway between 0.5 and 1.0 -> 1.0 (code 2)
     amax, x_value, gs = 53.19443130493164, 6.649303436279297, 8.121150970458984
     assert (t32(x_value) * (t32(gs) / 72.0)).item() == 0.75
     assert (t32(x_value) * (1 / (t32(72.0) / t32(gs)))).item() != 0.75
-    x = torch.zeros(1, 16)
+    x = torch.zeros(1, 16, device=device)
     x[0, 0], x[0, 1] = amax, x_value
-    packed, scales = quantize(x, torch.tensor([gs]), swizzled=False)
+    packed, scales = quantize(x, torch.tensor([gs], device=device), swizzled=False)
     assert scales.float().item() == 72.0
     assert unpack_codes(packed)[0, 1].item() == 2
 
@@ -660,11 +670,13 @@ def reference_cases():
             yield x.to(dtype), gs
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("index", range(12))
-def test_matches_scalar_reference(index):
+def test_matches_scalar_reference(index, device):
     x, gs = list(reference_cases())[index]
     gs_t = torch.tensor([gs], dtype=torch.float32)
-    packed, scales = quantize(x, gs_t, swizzled=False)
+    packed, scales = quantize(x.to(device), gs_t.to(device), swizzled=False)
+    packed, scales = packed.cpu(), scales.cpu()
     codes = unpack_codes(packed)
     gs32 = gs_t.item()
     rows = x.float().tolist()

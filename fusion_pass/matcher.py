@@ -1,0 +1,275 @@
+"""Find attention -> NVFP4 quant -> GEMM chains in a post-grad graph, refuse with a reason, or rewrite.
+
+Mutating ops appear in the post-grad graph wrapped in one of two higher-order
+ops, and both are handled:
+
+* ``auto_functionalized(op, **kwargs)`` (v1; vLLM forces it): mutable args are
+  kwargs, result ``i`` of the wrapper is the ``i``-th mutable arg after the op's
+  own return value;
+* ``auto_functionalized_v2(op, **kwargs, _all_bases=[...])`` (torch.compile's
+  default): mutable args are given as bases (``_<arg>_base_index``), and the
+  wrapper returns the op's return value followed by the mutated bases.
+
+Every attention node of the vocabulary is a candidate. :func:`examine` either
+returns a :class:`Match` or the reason it is refused; :func:`rewrite` inlines
+the pattern's traced replacement in place of attention + quant.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch._subclasses.functional_tensor import dispatch_functionalize
+
+from fusion_pass.patterns import AttentionQuantPattern, OpVocabulary
+
+aten = torch.ops.aten
+HOPS = {
+    torch.ops.higher_order.auto_functionalized: "v1",
+    torch.ops.higher_order.auto_functionalized_v2: "v2",
+}
+# Ops that present the same elements under another shape.
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
+            aten.as_strided.default, aten.squeeze.dim, aten.unsqueeze.default, aten.flatten.using_ints}
+# Ops that can select part of a tensor.
+SLICE_OPS = {aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.as_strided.default,
+             aten.split.Tensor, aten.split_with_sizes.default, operator.getitem}
+
+
+# ---------------------------------------------------------------- the two functionalized forms
+
+
+def wrapped_op(node: Node):
+    """``(op, form)`` when ``node`` is an auto_functionalized[_v2] call, else ``(None, None)``."""
+    if node.op == "call_function" and node.target in HOPS:
+        return node.args[0], HOPS[node.target]
+    return None, None
+
+
+def _mutable_args(op) -> list[str]:
+    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _result_index(node: Node, arg: str) -> int | None:
+    op, form = wrapped_op(node)
+    if form == "v1":
+        return 1 + _mutable_args(op).index(arg)
+    base = node.kwargs.get(f"_{arg}_base_index")
+    return None if base is None else 1 + base
+
+
+def mutated_result(node: Node, arg: str) -> Node | None:
+    """The getitem node that carries ``arg`` after the mutation (None if nobody reads it)."""
+    index = _result_index(node, arg)
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == index:
+            return user
+    return None
+
+
+def buffer_arg(node: Node, arg: str):
+    """The node passed as mutable ``arg`` (its base, in the v2 form)."""
+    if wrapped_op(node)[1] == "v1":
+        return node.kwargs.get(arg)
+    base = node.kwargs.get(f"_{arg}_base_index")
+    return None if base is None else node.kwargs["_all_bases"][base]
+
+
+def is_view_of_base(node: Node, arg: str) -> bool:
+    """In the v2 form: the mutable arg was a view (with its own size/stride) of its base."""
+    return wrapped_op(node)[1] == "v2" and f"_{arg}_size" in node.kwargs
+
+
+# ---------------------------------------------------------------- candidates
+
+
+@dataclass
+class Facts:
+    """What a candidate's shapes say; ``extra_check`` reads these."""
+
+    num_heads: int
+    v_head_dim: int
+
+
+@dataclass
+class Match:
+    pattern: AttentionQuantPattern
+    attention: Node
+    quant: Node
+    chain: list[Node]  # the view nodes from the attention result to the quant input
+    form: str
+
+
+def _numel(node: Node):
+    val = node.meta.get("val")
+    return None if val is None else val.numel()
+
+
+def _same_numel(a: Node, b: Node) -> bool:
+    na, nb = _numel(a), _numel(b)
+    return na is not None and nb is not None and statically_known_true(na == nb)
+
+
+def _reaches(node: Node, targets: set, depth: int = 8) -> bool:
+    """Whether a quant op of ``targets`` reads ``node`` through at most ``depth`` view/slice ops."""
+    for user in node.users:
+        if wrapped_op(user)[0] in targets:
+            return True
+        if depth and user.target in VIEW_OPS | SLICE_OPS and _reaches(user, targets, depth - 1):
+            return True
+    return False
+
+
+def _facts(attention: Node, result: Node) -> Facts | None:
+    """Heads and v_head_dim from static dims only (never guards on the symbolic token count)."""
+    q = attention.kwargs.get("q")
+    q_val, out_val = (q.meta.get("val") if q is not None else None), result.meta.get("val")
+    if q_val is None or out_val is None or q_val.dim() != 3 or out_val.dim() < 2:
+        return None
+    heads, per_token = q_val.shape[1], out_val.shape[1:]
+    if not isinstance(heads, int) or not all(isinstance(d, int) for d in per_token):
+        return None
+    return Facts(num_heads=heads, v_head_dim=math.prod(per_token) // heads)
+
+
+def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> Match | str:
+    """A :class:`Match` for ``attention`` (an attention candidate), or why it is refused."""
+    if attention.kwargs.get("output_scale") is not None:
+        return "attention_already_quantized"
+    result = mutated_result(attention, "output")
+    if result is None:
+        return "attention_output_unused"
+    chain, node = [], result
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            if _reaches(node, {vocab.nvfp4_quant}):
+                return "bf16_output_has_other_users"
+            return "no_nvfp4_quant_consumer" if users else "attention_output_unused"
+        (user,) = users
+        op = wrapped_op(user)[0]
+        if op is vocab.nvfp4_quant:
+            break
+        if op in vocab.other_quants:
+            return "quant_is_another_format"
+        if user.target in VIEW_OPS and _same_numel(user, result):
+            chain.append(user)
+            node = user
+            continue
+        if user.target in SLICE_OPS and _reaches(user, {vocab.nvfp4_quant}):
+            return "quant_reads_slice"
+        return "no_nvfp4_quant_consumer"
+    quant = user
+    if quant.kwargs.get("input") is not node:
+        return "bf16_output_is_not_the_quant_input"
+    if quant.kwargs.get("is_sf_swizzled_layout") is not True:
+        return "quant_scales_not_swizzled"
+    if is_view_of_base(quant, "output") or is_view_of_base(quant, "output_scale"):
+        return "quant_buffers_are_views"
+    quant_out = mutated_result(quant, "output")
+    if quant_out is None or not any(u.target is vocab.nvfp4_gemm for u in quant_out.users):
+        return "no_nvfp4_gemm_consumer"
+    facts = _facts(attention, result)
+    if facts is None:
+        return "unknown_attention_shape"
+    reason = pattern.extra_check(facts)
+    if reason:
+        return reason
+    return Match(pattern, attention, quant, chain, wrapped_op(attention)[1])
+
+
+# ---------------------------------------------------------------- rewriting
+
+
+@functools.lru_cache(maxsize=None)
+def traced_replacement(pattern: AttentionQuantPattern, vocab: OpVocabulary, form: str) -> torch.fx.GraphModule:
+    """The pattern's replacement traced through functionalization in ``form``, once per process.
+
+    The trace sets Inductor's functionalization flag only while tracing this
+    private template; the user's compile settings are never touched.
+    """
+    fn = functools.partial(pattern.replacement, vocab, layer_name=_LAYER_NAME_SLOT)
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=form == "v2"):
+        return make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*pattern.example_inputs())
+
+
+@functools.lru_cache(maxsize=None)
+def traced_pattern(pattern: AttentionQuantPattern, vocab: OpVocabulary, form: str) -> torch.fx.GraphModule:
+    """The pattern itself, traced the same way (used to derive anchors and in docs/tests)."""
+    fn = functools.partial(pattern.pattern, vocab, layer_name=_LAYER_NAME_SLOT)
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=form == "v2"):
+        return make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*pattern.example_inputs())
+
+
+def anchor_ops(pattern: AttentionQuantPattern, vocab: OpVocabulary) -> tuple:
+    """The wrapped ops of the traced pattern in order: (attention op, quant op)."""
+    gm = traced_pattern(pattern, vocab, "v1")
+    return tuple(wrapped_op(n)[0] for n in gm.graph.nodes if wrapped_op(n)[0] is not None)
+
+
+_LAYER_NAME_SLOT = "<layer_name>"
+_PROVENANCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
+    """Replace attention (bf16 output) + quant by the attention op writing the quant's buffers.
+
+    Returns the new attention node. The quant's consumers (the GEMM) read the
+    new node's results; the bf16 output, its views and the quant are erased.
+    """
+    attention, quant = match.attention, match.quant
+    template = traced_replacement(match.pattern, vocab, match.form)
+    n_inputs = len(match.pattern.inputs)
+    inputs = [attention.kwargs[name] for name in match.pattern.inputs]
+    placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
+    values = inputs + [buffer_arg(attention, "output"), buffer_arg(quant, "output"),
+                       buffer_arg(quant, "output_scale"), quant.kwargs["input_scale"]]
+    env = dict(zip(placeholders, values))
+    assert len(placeholders) == n_inputs + 4, "replacement signature: inputs, output, quant_out, quant_scale, gs"
+
+    old_out, old_scale = mutated_result(quant, "output"), mutated_result(quant, "output_scale")
+    with graph.inserting_before(quant):
+        new_out, new_scale = graph.graph_copy(template.graph, env)
+    new_attention = new_out.args[0]
+    for template_node, node in env.items():  # drop the template's metadata (its own fake mode and shapes)
+        if template_node.op != "placeholder":
+            node.meta.clear()
+            if node.target is operator.getitem and not node.users and node not in (new_out, new_scale):
+                graph.erase_node(node)
+    new_attention.update_kwarg("layer_name", attention.kwargs["layer_name"])
+    for node in (new_attention, new_out, new_scale):  # keep where it came from, for dumps and errors
+        node.meta.update({k: v for k, v in attention.meta.items() if k in _PROVENANCE_META})
+    out_val = old_out.meta.get("val") if old_out is not None else None
+    scale_val = old_scale.meta.get("val") if old_scale is not None else None
+    new_out.meta["val"], new_scale.meta["val"] = out_val, scale_val
+    new_attention.meta["val"] = (None, out_val, scale_val)
+    if old_out is not None:
+        old_out.replace_all_uses_with(new_out)
+    if old_scale is not None:
+        old_scale.replace_all_uses_with(new_scale)
+    _erase_dead(graph, [quant, *reversed(match.chain), attention])
+    return new_attention
+
+
+def _erase_dead(graph: Graph, roots: list[Node]) -> None:
+    """Erase ``roots`` (with their getitems) and the inputs they leave unused that only they fed."""
+    for root in roots:
+        if getattr(root, "_erased", False):
+            continue
+        for user in list(root.users):
+            if user.target is operator.getitem and not user.users:
+                graph.erase_node(user)
+        if root.users:
+            continue
+        feeders = [n for n in root.all_input_nodes]
+        graph.erase_node(root)
+        for node in feeders:  # the bf16 output buffer and its view, now unused
+            if not node.users and node.op == "call_function" and node.target in VIEW_OPS | {aten.empty.memory_format}:
+                _erase_dead(graph, [node])

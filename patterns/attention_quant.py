@@ -1,0 +1,110 @@
+"""attention -> scaled_fp4_quant (-> o_proj NVFP4 GEMM) patterns, written once over an op vocabulary.
+
+Each pattern is a pair of small plain functions with the semantics of the
+subgraph as a model writes it (mutating ops, eager calls) and of its
+replacement: the attention op writes NVFP4 into the quant's buffers itself.
+``ops`` is an :class:`~fusion_pass.patterns.vocabulary.OpVocabulary`; the pass
+binds it, traces both functions once per process, matches the traced pattern's
+ops in the post-grad graph and inlines the traced replacement.
+
+Shapes (T tokens, H heads, Dv = v_head_dim):
+``output`` [T, H*Dv] (MLA) or [T, H, Dv] (standard) in the query dtype;
+``quant_out`` uint8 [T, H*Dv/2]; ``quant_scale`` int32
+[round_up(T,128), round_up(H*Dv/16,4)/4]; ``global_scale`` float32 [1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fusion_pass.nvfp4 import BLOCK_SIZE
+
+# ---------------------------------------------------------------- MLA
+
+
+def mla_pattern(ops, q, kv_c_normed, k_pe, output, quant_out, quant_scale, global_scale, layer_name):
+    ops.mla_attention(q, kv_c_normed, k_pe, output, layer_name)
+    ops.nvfp4_quant(output, global_scale, True, output=quant_out, output_scale=quant_scale)
+    return quant_out, quant_scale
+
+
+def mla_replacement(ops, q, kv_c_normed, k_pe, output, quant_out, quant_scale, global_scale, layer_name):
+    ops.mla_attention(q, kv_c_normed, k_pe, quant_out, layer_name, global_scale, quant_scale)
+    return quant_out, quant_scale
+
+
+# ---------------------------------------------------------------- standard attention (MHA / GQA)
+
+
+def attention_pattern(ops, q, k, v, output, quant_out, quant_scale, global_scale, layer_name):
+    ops.attention(q, k, v, output, layer_name)
+    flat = output.reshape(output.shape[0], -1)  # the view between attention and quant in real graphs
+    ops.nvfp4_quant(flat, global_scale, True, output=quant_out, output_scale=quant_scale)
+    return quant_out, quant_scale
+
+
+def attention_replacement(ops, q, k, v, output, quant_out, quant_scale, global_scale, layer_name):
+    ops.attention(q, k, v, quant_out, layer_name, global_scale, quant_scale)
+    return quant_out, quant_scale
+
+
+# ---------------------------------------------------------------- example inputs and checks
+
+_T, _H, _DV = 8, 2, 16
+
+
+def _nvfp4_buffers(width: int):
+    quant_scale_cols = ((width // BLOCK_SIZE + 3) // 4 * 4) // 4
+    return (torch.empty(_T, width // 2, dtype=torch.uint8), torch.empty(128, quant_scale_cols, dtype=torch.int32),
+            torch.ones(1, dtype=torch.float32))
+
+
+def mla_example_inputs():
+    nope, rope, lora = 16, 8, 32
+    return (torch.randn(_T, _H, nope + rope, dtype=torch.bfloat16), torch.randn(_T, lora, dtype=torch.bfloat16),
+            torch.randn(_T, 1, rope, dtype=torch.bfloat16), torch.empty(_T, _H * _DV, dtype=torch.bfloat16),
+            *_nvfp4_buffers(_H * _DV))
+
+
+def attention_example_inputs():
+    d, hkv = 16, 1
+    return (torch.randn(_T, _H, d, dtype=torch.bfloat16), torch.randn(_T, hkv, d, dtype=torch.bfloat16),
+            torch.randn(_T, hkv, _DV, dtype=torch.bfloat16), torch.empty(_T, _H, _DV, dtype=torch.bfloat16),
+            *_nvfp4_buffers(_H * _DV))
+
+
+def v_head_dim_fits_nvfp4_blocks(facts) -> str | None:
+    """The fused epilogue quantizes one head's tile: a head must span whole 16-element blocks."""
+    if facts.v_head_dim % BLOCK_SIZE:
+        return "v_head_dim_not_multiple_of_16"
+    return None
+
+
+@dataclass(frozen=True)
+class AttentionQuantPattern:
+    """One entry of the pattern table.
+
+    ``pattern`` / ``replacement(ops, *example_inputs(), layer_name)`` are the
+    plain functions; ``role`` names the vocabulary's attention op; ``inputs``
+    are that op's tensor inputs (the first ``len(inputs)`` arguments);
+    ``extra_check(facts)`` returns a refusal reason or None.
+    """
+
+    name: str
+    role: str
+    inputs: tuple[str, ...]
+    pattern: Callable
+    replacement: Callable
+    example_inputs: Callable[[], tuple]
+    extra_check: Callable = v_head_dim_fits_nvfp4_blocks
+
+
+PATTERNS: tuple[AttentionQuantPattern, ...] = (
+    AttentionQuantPattern("mla_attention_nvfp4_quant", "mla_attention", ("q", "kv_c_normed", "k_pe"),
+                          mla_pattern, mla_replacement, mla_example_inputs),
+    AttentionQuantPattern("attention_nvfp4_quant", "attention", ("q", "k", "v"),
+                          attention_pattern, attention_replacement, attention_example_inputs),
+)
