@@ -14,10 +14,15 @@ DESCRIPTION = """\
 attn-nvfp4-fusion: fuse attention -> NVFP4 quant -> o_proj under torch.compile.
 
 commands:
-  demo   run the demo workload (prefill, decode, mixed, chunked prefill) through
-         a DeepSeek-V3-style MLA stack and a GQA stack, eagerly and compiled,
-         and print per batch the kind, the token count and the largest
-         difference between the compiled and the eager output.
+  demo      run the demo workload (prefill, decode, mixed, chunked prefill)
+            through a DeepSeek-V3-style MLA stack and a GQA stack, compiled
+            with and without the fusion pass; print per batch whether the fused
+            kernel ran (or the fallback, and why), how far the fused NVFP4
+            output is from the unfused one against its bound, byte equality on
+            fallback batches, then the pass's report.
+  dump      the same run with graph dumps on: per compiled graph the post-grad
+            graph before/after the pass, the match report, and depyf's dump.
+  backends  list the fused-attention backends and why each is (un)available.
 """
 
 
@@ -37,6 +42,13 @@ def _positive(value: str) -> int:
     return number
 
 
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=("mla", "gqa", "all"), default="all", help="which demo model (default: all)")
+    parser.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--layers", type=_positive, default=2, help="attention layers per model (default: 2)")
+    parser.add_argument("--tiny", action="store_true", help="small dimensions instead of the real ones (fast)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fusion-pass", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -44,15 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
-        help="run the demo workload eagerly and compiled and print a table",
+        help="run the demo workload with and without the pass and print a table",
         description="Run the demo workload through the demo models (DeepSeek-V3 attention dimensions at "
-        "TP=8, and a Llama-3-8B-style GQA stack), eagerly and under torch.compile.",
+        "TP=8, and a Llama-3-8B-style GQA stack), compiled with and without the fusion pass.",
     )
-    demo.add_argument("--model", choices=("mla", "gqa", "all"), default="all", help="which demo model (default: all)")
-    demo.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: cpu)")
-    demo.add_argument("--layers", type=_positive, default=2, help="attention layers per model (default: 2)")
-    demo.add_argument("--tiny", action="store_true", help="small dimensions instead of the real ones (fast)")
+    _add_run_arguments(demo)
     demo.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    dump = commands.add_parser(
+        "dump",
+        help="run the demo with graph dumps written to a directory",
+        description="Run the demo with fusion_pass.debug.dump(DIR): per compiled graph graph_NNN_before.py, "
+        "graph_NNN_after.py, graph_NNN_report.json, and depyf's artifacts under DIR/depyf.",
+    )
+    dump.add_argument("--out", metavar="DIR", required=True, help="directory for the dumps (created if missing)")
+    _add_run_arguments(dump)
+    commands.add_parser("backends", help="list the fused-attention backends and their availability")
     return parser
 
 
@@ -62,15 +80,37 @@ def _run_demo(args: argparse.Namespace) -> int:
     from fusion_pass import demo
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("fusion-pass demo: --device cuda was asked for but torch sees no CUDA device", file=sys.stderr)
+        print(f"fusion-pass {args.command}: --device cuda was asked for but torch sees no CUDA device",
+              file=sys.stderr)
         return 2
     models = demo.MODELS if args.model == "all" else (args.model,)
-    results = demo.run_demo(models, tiny=args.tiny, device=args.device, layers=args.layers)
+    results, fusion = demo.run_demo(models, tiny=args.tiny, device=args.device, layers=args.layers)
+    report = fusion.report()
     print(demo.format_table(results))
-    if args.json:
+    print()
+    print(demo.format_report(report))
+    if getattr(args, "json", None):
         with open(args.json, "w") as f:
-            json.dump(demo.results_json(results), f, indent=2)
+            json.dump(demo.results_json(results, report), f, indent=2)
         print(f"wrote {args.json}")
+    return 0
+
+
+def _run_dump(args: argparse.Namespace) -> int:
+    from fusion_pass import debug
+
+    with debug.dump(args.out) as path:
+        status = _run_demo(args)
+    print(f"dumps in {path}")
+    return status
+
+
+def _run_backends() -> int:
+    from fusion_pass.backends import backends
+
+    for entry in backends():
+        state = "available" if entry["available"] else "unavailable"
+        print(f"{entry['name']:<10} {state:<12} {entry['reason']}")
     return 0
 
 
@@ -79,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _run_demo(args)
+    if args.command == "dump":
+        return _run_dump(args)
+    if args.command == "backends":
+        return _run_backends()
     parser.print_help()
     return 2
 

@@ -1,4 +1,4 @@
-"""The demo: a scripted serving workload through the demo models, eager and compiled.
+"""The demo: a scripted serving workload through the demo models, compiled with and without the pass.
 
 The workload has every batch kind the run-time guard distinguishes, in the
 order a server would produce them (each step continues the KV caches of the
@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fusion_pass import runtime
+from fusion_pass import guard, nvfp4, runtime
+from fusion_pass.fusion import FusionPass
 from fusion_pass.models import (
     GQAConfig,
     MLAConfig,
@@ -26,6 +27,7 @@ from fusion_pass.models import (
     calibrate_nvfp4_inputs,
     release_layers,
 )
+from fusion_pass.ops import tap_gemm_inputs
 from fusion_pass.runtime import BatchSpec, RequestSpec
 
 MODELS = ("mla", "gqa")
@@ -44,12 +46,19 @@ def workload() -> list[BatchSpec]:
 
 @dataclass
 class BatchResult:
+    """One batch of the workload, compiled with the pass vs compiled without it."""
+
     model: str
     step: int
     kind: str
     tokens: int
-    max_abs_diff: float  # max |compiled - eager| over the stack's output
-    max_abs_eager: float  # max |eager|, the scale the difference is to be read against
+    path: str  # "fused" or "fallback", as the run-time guard decided
+    reason: str | None  # the fallback reason
+    bytes_equal_unfused: bool  # the o_proj's NVFP4 input, byte for byte, vs the unfused graph's
+    max_abs_err: float  # max |dequant(with pass) - dequant(unfused)| of the o_proj input
+    err_bound: float  # the largest per-element bound that difference is checked against
+    within_bound: bool  # every element within its bound
+    max_abs_diff_eager: float  # max |compiled without pass - eager| of the stack's output
 
 
 def build_model(name: str, *, tiny: bool = False, device: str = "cpu", layers: int = 2, prefix: str | None = None):
@@ -74,47 +83,142 @@ def make_inputs(spec: BatchSpec, hidden_size: int, device: str, seed: int) -> tu
     return spec.positions(device=device), hidden
 
 
+@dataclass
+class StepOutput:
+    output: torch.Tensor
+    o_proj_inputs: list  # per layer: (packed uint8 [T, K/2], scales) as the o_proj GEMM read them
+    decisions: dict  # guard counter deltas: {"fused": n, "fallback": {reason: n}}
+
+
 @torch.no_grad()
-def run_workload(model, steps: list[BatchSpec], hidden_size: int, device: str) -> list[torch.Tensor]:
-    """Run ``steps`` in order from empty KV caches; returns each step's output."""
+def run_step(model, spec: BatchSpec, step: int, hidden_size: int, device: str) -> StepOutput:
+    """Run one batch, recording its output, the o_proj GEMMs' NVFP4 inputs and the guard's decisions."""
+    positions, hidden = make_inputs(spec, hidden_size, device, seed=step)
+    torch._dynamo.mark_dynamic(positions, 0)
+    torch._dynamo.mark_dynamic(hidden, 0)
+    before = guard.counters()
+    with runtime.batch(spec), tap_gemm_inputs() as taps:
+        output = model(positions, hidden)
+    return StepOutput(output, list(taps), _counter_delta(before, guard.counters()))
+
+
+def run_lockstep(variants: dict, steps: list[BatchSpec], hidden_size: int, device: str) -> list[dict]:
+    """Run every variant (name -> callable model) on each step from the same KV caches.
+
+    Each step starts from the caches the previous step left behind in the last
+    variant; the others run on a snapshot of them. So every variant sees the
+    same inputs at every step and differences are the variants' own.
+    """
     runtime.clear_kv_caches()
-    outputs = []
+    per_step = []
     for i, spec in enumerate(steps):
-        positions, hidden = make_inputs(spec, hidden_size, device, seed=i)
-        torch._dynamo.mark_dynamic(positions, 0)
-        torch._dynamo.mark_dynamic(hidden, 0)
-        with runtime.batch(spec):
-            outputs.append(model(positions, hidden))
+        start = runtime.snapshot_kv_caches()
+        outputs = {}
+        for name, model in variants.items():
+            runtime.restore_kv_caches(start)
+            outputs[name] = run_step(model, spec, i, hidden_size, device)
+        per_step.append(outputs)
     runtime.clear_kv_caches()
-    return outputs
+    return per_step
 
 
-def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: int = 2) -> list[BatchResult]:
-    """Run the workload eagerly and under torch.compile for each model; compare per batch."""
+def _counter_delta(before: dict, after: dict) -> dict:
+    fallback = {k: v - before["fallback"].get(k, 0) for k, v in after["fallback"].items()}
+    return {"fused": after["fused"] - before["fused"], "fallback": {k: v for k, v in fallback.items() if v}}
+
+
+def requantization_bound(unfused: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Bound on |dequant(fused) - dequant(unfused)| per element, from the unfused values alone.
+
+    Fused quantizes float32 attention ``a``; unfused quantizes ``bf16(a)``.
+    With ``s = amax_block / 6`` each quantization is within
+    ``s (1 + 2^-4) + 6 * 2^-10 / gs`` of its input (``nvfp4.error_bound``) and
+    ``|a - bf16(a)| <= 2^-9 |a|``. The block amax of ``a`` is recovered from the
+    unfused dequantized block amax ``A`` as ``amax <= (A + c) / (1 - 1.0625 / 6)``
+    (the dequantized values are within one bound of the inputs), ``c = 6 * 2^-10 / gs``.
+    """
+    gs = global_scale.float().reshape(())
+    blocks = unfused.float().reshape(unfused.shape[0], -1, nvfp4.BLOCK_SIZE)
+    c = 6 * 2.0**-10 / gs
+    amax = (blocks.abs().amax(dim=-1, keepdim=True) + c) / (1 - 1.0625 / 6)
+    per_block = 2 * (amax / 6 * 1.0625 + c) + 2.0**-9 * amax
+    return per_block.expand_as(blocks).reshape(unfused.shape)
+
+
+def compare_nvfp4(with_pass, unfused, global_scales) -> tuple[bool, float, float, bool]:
+    """``(bytes_equal, max_abs_err, err_bound, within_bound)`` over every layer's o_proj input."""
+    equal, max_err, max_bound, within = True, 0.0, 0.0, True
+    for (a_f, s_f), (a_u, s_u), gs in zip(with_pass, unfused, global_scales):
+        equal &= torch.equal(a_f, a_u) and torch.equal(s_f.view(torch.uint8), s_u.view(torch.uint8))
+        deq_f = nvfp4.dequantize(a_f, s_f, gs)
+        deq_u = nvfp4.dequantize(a_u, s_u, gs)
+        err = (deq_f - deq_u).abs()
+        bound = requantization_bound(deq_u, gs)
+        max_err, max_bound = max(max_err, err.max().item()), max(max_bound, bound.max().item())
+        within &= bool((err <= bound).all())
+    return equal, max_err, max_bound, within
+
+
+def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: int = 2):
+    """Per model, the workload eagerly, compiled without the pass and compiled with it.
+
+    Returns ``(results, fusion_pass)``.
+    """
     results = []
     steps = workload()
+    fusion = FusionPass()
     for name in models:
         model = build_model(name, tiny=tiny, device=device, layers=layers)
         hidden_size = model.norms[0].normalized_shape[0]
+        global_scales = [layer.o_proj.input_global_scale for layer in model.layers]
+        # Fresh compiles (no FX graph cache): a cache hit reuses the rewritten graph
+        # without running the pass, and the report would miss it.
+        variants = {
+            "eager": model,
+            "unfused": torch.compile(model, options={"fx_graph_cache": False}),
+            "fused": torch.compile(model, options={"post_grad_custom_post_pass": fusion, "fx_graph_cache": False}),
+        }
         try:
-            eager = run_workload(model, steps, hidden_size, device)
-            compiled = run_workload(torch.compile(model), steps, hidden_size, device)
+            per_step = run_lockstep(variants, steps, hidden_size, device)
         finally:
             release_layers(model)
-        for i, (spec, ref, out) in enumerate(zip(steps, eager, compiled)):
-            diff = (out.float() - ref.float()).abs().max().item()
-            results.append(BatchResult(name, i, spec.kind, spec.num_tokens, diff, ref.float().abs().max().item()))
-    return results
+        for i, (spec, out) in enumerate(zip(steps, per_step)):
+            equal, err, bound, within = compare_nvfp4(
+                out["fused"].o_proj_inputs, out["unfused"].o_proj_inputs, global_scales)
+            reasons = sorted(out["fused"].decisions["fallback"])
+            path = "fallback" if reasons else ("fused" if out["fused"].decisions["fused"] else "unfused")
+            diff = (out["unfused"].output.float() - out["eager"].output.float()).abs().max().item()
+            results.append(BatchResult(name, i, spec.kind, spec.num_tokens, path, ",".join(reasons) or None,
+                                       equal, err, bound, within, diff))
+    return results, fusion
 
 
 def format_table(results: list[BatchResult]) -> str:
-    header = f"{'model':<6} {'step':>4} {'kind':<8} {'tokens':>6} {'max|compiled-eager|':>20} {'max|eager|':>11}"
+    header = (f"{'model':<5} {'step':>4} {'kind':<8} {'tokens':>6}  {'path':<8} {'reason':<16} "
+              f"{'bytes==unfused':>14} {'max|err|':>10} {'bound':>10}  {'|unfused-eager|':>15}")
     rows = [
-        f"{r.model:<6} {r.step:>4} {r.kind:<8} {r.tokens:>6} {r.max_abs_diff:>20.3e} {r.max_abs_eager:>11.3e}"
+        f"{r.model:<5} {r.step:>4} {r.kind:<8} {r.tokens:>6}  {r.path:<8} {r.reason or '-':<16} "
+        f"{str(r.bytes_equal_unfused):>14} {r.max_abs_err:>10.3e} {r.err_bound:>10.3e}"
+        f"{'' if r.within_bound else '!'} {r.max_abs_diff_eager:>15.3e}"
         for r in results
     ]
     return "\n".join([header, "-" * len(header), *rows])
 
 
-def results_json(results: list[BatchResult]) -> dict:
-    return {"batches": [asdict(r) for r in results]}
+def format_report(report: dict) -> str:
+    refused = ", ".join(f"{k}={v}" for k, v in sorted(report["refused"].items())) or "none"
+    runtime_counts = report["runtime"]
+    fallback = ", ".join(f"{k}={v}" for k, v in sorted(runtime_counts["fallback"].items())) or "none"
+    return (f"pass: {report['graphs']} graphs, {report['candidates']} attention layers seen, "
+            f"{report['rewritten']} rewritten, refused: {refused}, {report['seconds'] * 1e3:.1f} ms in the pass\n"
+            f"run time: {runtime_counts['fused']} fused calls, fallback calls: {fallback}")
+
+
+def results_json(results: list[BatchResult], report: dict) -> dict:
+    return {
+        "layers": report["candidates"],
+        "rewritten": report["rewritten"],
+        "refused": report["refused"],
+        "runtime": report["runtime"],
+        "batches": [asdict(r) for r in results],
+    }

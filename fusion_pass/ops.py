@@ -15,10 +15,12 @@ any device; the attention ops read their layer and the batch metadata from
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
-from fusion_pass import nvfp4, runtime
+from fusion_pass import backends, guard, nvfp4, runtime
 
 NAMESPACE = "fusion_pass"
 
@@ -166,6 +168,23 @@ def _check_gemm_args(a, b, block_scale_a, block_scale_b, alpha) -> None:
         )
 
 
+_gemm_taps: list[list] = []
+
+
+@contextlib.contextmanager
+def tap_gemm_inputs():
+    """Record ``(a, block_scale_a)`` of every ``nvfp4_gemm`` call in the block, in call order.
+
+    The NVFP4 activations the o_proj reads, whoever produced them (the quant op
+    or a fused attention op): what the demo compares between compiled graphs.
+    """
+    _gemm_taps.append([])
+    try:
+        yield _gemm_taps[-1]
+    finally:
+        _gemm_taps.pop()
+
+
 @_impl("nvfp4_gemm")
 def _nvfp4_gemm(a, b, block_scale_a, block_scale_b, alpha, out_dtype):
     """``out [M, N] = alpha * dequant(a) @ dequant(b).T``, as ``cutlass_scaled_fp4_mm``.
@@ -174,6 +193,8 @@ def _nvfp4_gemm(a, b, block_scale_a, block_scale_b, alpha, out_dtype):
     code * scale fits in bf16) and multiplied in bf16 on CUDA, float32 elsewhere.
     """
     _check_gemm_args(a, b, block_scale_a, block_scale_b, alpha)
+    if _gemm_taps:
+        _gemm_taps[-1].append((a.clone(), block_scale_a.clone()))
     compute = torch.bfloat16 if a.is_cuda else torch.float32
     one = torch.ones(1, dtype=torch.float32, device=a.device)
     a_hat = nvfp4.dequantize(a, block_scale_a, one, dtype=compute)
@@ -198,9 +219,10 @@ def _write_attention_output(
     """Write float32 attention ``out [T, H, Dv]`` into the op's output buffer(s).
 
     Without ``output_scale``: ``output`` holds ``T * H * Dv`` elements of the
-    query dtype. With it: NVFP4, ``output`` uint8 ``[T, H*Dv/2]`` and
-    ``output_block_scale`` the swizzled scales, produced exactly as the unfused
-    graph would: attention rounded to the query dtype, then ``scaled_fp4_quant``.
+    query dtype. With it (the guard's fallback path): NVFP4, ``output`` uint8
+    ``[T, H*Dv/2]`` and ``output_block_scale`` the swizzled scales, produced
+    exactly as the unfused graph would: attention rounded to the query dtype,
+    then ``scaled_fp4_quant``.
     """
     t = out.shape[0]
     if output_scale is None:
@@ -221,18 +243,100 @@ def _write_attention_output(
     )
 
 
+_SCALE_BUFFER_DTYPES = (torch.int32, torch.float8_e4m3fn, torch.uint8)
+
+
+def _check_nvfp4_buffers(
+    op: str, t: int, num_heads: int, v_head_dim: int, device: torch.device, output, output_scale, output_block_scale
+) -> None:
+    """The NVFP4 output contract of the attention ops, checked before any attention is computed."""
+    if output_block_scale is None:
+        raise ValueError(f"{op}: NVFP4 output needs output_block_scale (the swizzled scale buffer)")
+    width = num_heads * v_head_dim
+    if width % nvfp4.BLOCK_SIZE != 0:
+        raise ValueError(
+            f"{op}: NVFP4 output needs num_heads * v_head_dim divisible by 16, got "
+            f"{num_heads} * {v_head_dim} = {width}"
+        )
+    if not isinstance(output_scale, Tensor) or output_scale.dtype != torch.float32 or output_scale.numel() != 1:
+        got = f"{output_scale.dtype} {list(output_scale.shape)}" if isinstance(output_scale, Tensor) else output_scale
+        raise ValueError(f"{op}: output_scale (the global scale) must be a one-element float32 tensor, got {got}")
+    if output.dtype != torch.uint8 or output.numel() != t * width // 2 or not output.is_contiguous():
+        raise ValueError(
+            f"{op}: NVFP4 output must be a contiguous uint8 tensor of {t * width // 2} elements "
+            f"([T, H*Dv/2] = [{t}, {width // 2}]), got {output.dtype} {list(output.shape)}"
+            + ("" if output.is_contiguous() else " (not contiguous)")
+        )
+    rows, cols = nvfp4.scale_shape(t, width, swizzled=True)
+    nbytes = output_block_scale.element_size() * output_block_scale.numel()
+    if (
+        output_block_scale.dtype not in _SCALE_BUFFER_DTYPES
+        or nbytes != rows * cols
+        or not output_block_scale.is_contiguous()
+    ):
+        raise ValueError(
+            f"{op}: output_block_scale must be a contiguous buffer of {rows}x{cols} one-byte scales "
+            f"(float8_e4m3fn [{rows}, {cols}], or int32 [{rows}, {cols // 4}] as vLLM allocates it; "
+            f"round_up(T, 128) x round_up(H*Dv/16, 4) for T={t}), got {output_block_scale.dtype} "
+            f"{list(output_block_scale.shape)}"
+            + ("" if output_block_scale.is_contiguous() else " (not contiguous)")
+        )
+    for name, tensor in (("output", output), ("output_scale", output_scale), ("output_block_scale", output_block_scale)):
+        if tensor.device != device:
+            raise ValueError(f"{op}: {name} must be on the query's device {device}, got {tensor.device}")
+
+
+def _qk_head_dim(impl) -> int:
+    if hasattr(impl, "qk_nope_head_dim"):  # MLA
+        return impl.qk_nope_head_dim + impl.qk_rope_head_dim
+    return impl.head_dim
+
+
+def _run_attention(op: str, q: Tensor, inputs: tuple, output, layer_name, output_scale, output_block_scale) -> None:
+    """Shared body of the attention ops: one attention computation per call.
+
+    Without ``output_scale``: attention in the query dtype, not guarded. With
+    it: the NVFP4 buffers are validated, :func:`fusion_pass.guard.decide`
+    picks the path and :func:`fusion_pass.guard.record` counts it; ``fused``
+    runs the selected backend (attention quantized from float32), ``fallback``
+    runs exactly the unfused computation (attention rounded to the query
+    dtype, then ``scaled_fp4_quant.out``).
+    """
+    impl = runtime.get_layer(layer_name)
+    spec = runtime.current_batch()
+    if output_scale is None:
+        out = impl.forward(*inputs, spec)
+        _write_attention_output(op, out, q.dtype, output, output_scale, output_block_scale)
+        return
+    _check_nvfp4_buffers(
+        op, q.shape[0], impl.num_heads, impl.v_head_dim, q.device, output, output_scale, output_block_scale
+    )
+    decision = guard.decide(
+        spec,
+        device=q.device,
+        dtype=q.dtype,
+        num_heads=impl.num_heads,
+        qk_head_dim=_qk_head_dim(impl),
+        v_head_dim=impl.v_head_dim,
+    )
+    guard.record(decision)
+    if decision.path == "fused":
+        backends.get_backend(decision.backend).run(impl, inputs, spec, output, output_scale, output_block_scale)
+        return
+    out = impl.forward(*inputs, spec)
+    _write_attention_output(op, out, q.dtype, output, output_scale, output_block_scale)
+
+
 @_impl("attention_with_output")
 def _attention_with_output(q, k, v, output, layer_name, output_scale=None, output_block_scale=None):
-    impl = runtime.get_layer(layer_name)
-    out = impl.forward(q, k, v, runtime.current_batch())
-    _write_attention_output("attention_with_output", out, q.dtype, output, output_scale, output_block_scale)
+    _run_attention("attention_with_output", q, (q, k, v), output, layer_name, output_scale, output_block_scale)
 
 
 @_impl("mla_attention_with_output")
 def _mla_attention_with_output(q, kv_c_normed, k_pe, output, layer_name, output_scale=None, output_block_scale=None):
-    impl = runtime.get_layer(layer_name)
-    out = impl.forward(q, kv_c_normed, k_pe, runtime.current_batch())
-    _write_attention_output("mla_attention_with_output", out, q.dtype, output, output_scale, output_block_scale)
+    _run_attention(
+        "mla_attention_with_output", q, (q, kv_c_normed, k_pe), output, layer_name, output_scale, output_block_scale
+    )
 
 
 @_fake("attention_with_output")

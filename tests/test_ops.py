@@ -154,17 +154,19 @@ def test_mla_op_writes_runtime_attention_in_query_dtype(mla_layer):
 
 
 def test_mla_op_nvfp4_output_equals_attention_then_quant(mla_layer):
+    """A batch with a decode token takes the guard's fallback: the unfused bytes
+    (pure-prefill batches take the fused path: tests/test_guard.py)."""
     impl, dims = mla_layer
-    spec = runtime.BatchSpec.from_lens([5, 3])
-    q, kv_c, k_pe = _mla_inputs(8, dims)
+    spec = runtime.BatchSpec.from_lens([1, 5, 3])
+    q, kv_c, k_pe = _mla_inputs(9, dims)
     gs = torch.tensor([30.0])
     width = dims[0] * dims[3]
-    output = torch.full((8, width // 2), 0xAB, dtype=torch.uint8)
+    output = torch.full((9, width // 2), 0xAB, dtype=torch.uint8)
     block_scale = torch.full((128, 1), -1, dtype=torch.int32)
     with runtime.batch(spec):
         OPS.mla_attention_with_output(q, kv_c, k_pe, output, "test_ops.mla", gs, block_scale)
     impl.clear_cache()
-    attn = impl.forward(q, kv_c, k_pe, spec).to(torch.bfloat16).view(8, -1)
+    attn = impl.forward(q, kv_c, k_pe, spec).to(torch.bfloat16).view(9, -1)
     packed, scales = nvfp4.quantize(attn, gs)
     assert torch.equal(output, packed)
     assert torch.equal(block_scale.view(torch.uint8).view(scales.shape), scales.view(torch.uint8))

@@ -15,6 +15,8 @@ from fusion_pass.runtime.context import (
     get_layer,
     register_layer,
     registered_layers,
+    restore_kv_caches,
+    snapshot_kv_caches,
     unregister_layer,
 )
 from fusion_pass.runtime.dense import attention_with_lse, merge_attention
@@ -31,6 +33,8 @@ __all__ = [
     "unregister_layer",
     "registered_layers",
     "clear_kv_caches",
+    "snapshot_kv_caches",
+    "restore_kv_caches",
     "MLAAttentionImpl",
     "AttentionImpl",
     "attention_with_lse",

@@ -276,6 +276,21 @@ def clear_kv_caches() -> None:
         impl.clear_cache()
 
 
+def snapshot_kv_caches() -> dict[str, dict]:
+    """The KV caches of every registered layer, to :func:`restore_kv_caches` later.
+
+    Cheap: cache entries are never modified in place (a step replaces them),
+    so the snapshot shares the tensors.
+    """
+    return {name: dict(impl._cache._entries) for name, impl in registered_layers().items()}
+
+
+def restore_kv_caches(snapshot: dict[str, dict]) -> None:
+    """Put the caches back as :func:`snapshot_kv_caches` saw them."""
+    for name, entries in snapshot.items():
+        get_layer(name)._cache._entries = dict(entries)
+
+
 # --------------------------------------------------------------------------
 # Per-request KV cache bookkeeping shared by the runtimes (private)
 # --------------------------------------------------------------------------

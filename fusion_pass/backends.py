@@ -1,0 +1,622 @@
+"""Fused attention -> NVFP4 backends: explicit, queryable, selectable.
+
+A *fused* backend computes attention for a pure-prefill batch and writes the
+NVFP4 bytes the o_proj GEMM reads (packed e2m1 ``output`` uint8
+``[T, H*Dv/2]`` and the 128x4-swizzled block scales, see ``NVFP4.md``) in the
+same call, without a bf16 round trip. The run-time guard
+(:mod:`fusion_pass.guard`) asks :func:`select_backend` for one; the attention
+ops (:mod:`fusion_pass.ops`) call its :meth:`~Backend.run`.
+
+Three backends, in preference order:
+
+``fa4``
+    FlashAttention-4 (``flash_attn.cute``) varlen forward with NVFP4 output:
+    ``out`` viewed as ``float4_e2m1fn_x2``, ``output_scale`` the global scale,
+    ``output_scales`` the swizzled scale buffer viewed as ``float8_e4m3fn``.
+    Available only on SM100/SM110 when the installed FA4 has those arguments.
+    **Never run in this project's environments** (no Blackwell GPU, no FA4
+    release with NVFP4 output); its argument building (:func:`fa4_call_kwargs`)
+    and its input preparation (:func:`prefill_qkv`) are tested on the CPU.
+``triton``
+    The project's Triton flash-attention with an NVFP4 epilogue, called through
+    ``fusion_pass.kernels.<TRITON_ENTRY_POINT>`` (contract in
+    :class:`TritonBackend`). ``fusion_pass.kernels`` is not part of this build
+    yet, so it reports itself unavailable.
+``reference``
+    PyTorch on any device: the layer's runtime attention in float32, quantized
+    straight from float32 by :func:`fusion_pass.nvfp4.quantize`. Slow, always
+    available, the oracle of the other two.
+
+Selection: the first backend, in the order above, that is available and
+supports the layer's device/dtype/head dims. The choice can be pinned with the
+environment variable ``FUSION_PASS_BACKEND`` (``auto``, ``fa4``, ``triton``,
+``reference``; default ``auto``), with :func:`set_backend` or, scoped, with
+:func:`use_backend`. Availability is detected once per process and cached
+(:func:`refresh` re-detects).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from fusion_pass import nvfp4
+
+__all__ = [
+    "BACKEND_ENV",
+    "BACKEND_CHOICES",
+    "BACKEND_ORDER",
+    "FA4_NVFP4_ARGS",
+    "TRITON_ENTRY_POINT",
+    "Backend",
+    "FA4Backend",
+    "TritonBackend",
+    "ReferenceBackend",
+    "backends",
+    "get_backend",
+    "select_backend",
+    "configured_backend",
+    "set_backend",
+    "use_backend",
+    "refresh",
+    "fa4_availability",
+    "fa4_call_kwargs",
+    "triton_availability",
+    "prefill_qkv",
+]
+
+BACKEND_ENV = "FUSION_PASS_BACKEND"
+"""Environment variable pinning the backend choice (see :data:`BACKEND_CHOICES`)."""
+
+BACKEND_CHOICES = ("auto", "fa4", "triton", "reference")
+"""Valid values of :data:`BACKEND_ENV` / :func:`set_backend`."""
+
+BACKEND_ORDER = ("fa4", "triton", "reference")
+"""Preference order used by ``auto``."""
+
+FA4_NVFP4_ARGS = ("out", "output_scale", "output_scales")
+"""Parameters ``flash_attn.cute.flash_attn_varlen_func`` needs for NVFP4 output."""
+
+TRITON_ENTRY_POINT = "flash_attention_nvfp4_varlen"
+"""Function of ``fusion_pass.kernels`` the ``triton`` backend calls."""
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the guard and the attention ops need from a fused backend."""
+
+    name: str
+
+    def available(self) -> tuple[bool, str]:
+        """``(True, short description)`` or ``(False, why not)``; cached per process."""
+        ...
+
+    def supports(
+        self, device: torch.device, dtype: torch.dtype, num_heads: int, qk_head_dim: int, v_head_dim: int
+    ) -> tuple[bool, str]:
+        """Whether this backend can run a layer of these dims on ``device`` with query ``dtype``."""
+        ...
+
+    def run(
+        self, impl: Any, inputs: tuple, spec: Any, output: Tensor, output_scale: Tensor, output_block_scale: Tensor
+    ) -> None:
+        """Compute attention of ``impl`` on ``inputs`` for the pure-prefill batch ``spec``
+        (appending the new tokens to the layer's cache, as ``impl.forward`` does) and write
+        the NVFP4 bytes into ``output`` and ``output_block_scale`` (every byte, padding zero)."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+# helpers shared by the backends
+# ---------------------------------------------------------------------------
+
+
+def _check_device_dtype(name: str, device: torch.device, dtype: torch.dtype, dtypes) -> tuple[bool, str]:
+    if torch.device(device).type != "cuda":
+        return False, f"{name} runs on CUDA devices only, got {torch.device(device)}"
+    if dtype not in dtypes:
+        return False, f"{name} supports {', '.join(str(d) for d in dtypes)} queries, got {dtype}"
+    return True, "ok"
+
+
+def _write_nvfp4(output: Tensor, output_block_scale: Tensor, packed: Tensor, scales: Tensor) -> None:
+    """Copy reference-layout ``packed``/``scales`` into the op's buffers, byte for byte."""
+    out_bytes = output.view(torch.uint8)
+    scale_bytes = output_block_scale.view(torch.uint8)
+    if out_bytes.numel() != packed.numel() or scale_bytes.numel() != scales.numel():
+        raise ValueError(
+            f"NVFP4 buffers do not match the quantized data: output holds {out_bytes.numel()} bytes "
+            f"(need {packed.numel()}), output_block_scale holds {scale_bytes.numel()} bytes "
+            f"(need {scales.numel()})"
+        )
+    out_bytes.view(packed.shape).copy_(packed)
+    scale_bytes.view(-1).copy_(scales.view(torch.uint8).view(-1))
+
+
+def _is_mla(impl: Any) -> bool:
+    return hasattr(impl, "kv_lora_rank")
+
+
+def prefill_qkv(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Dense ``q [T, H, Dqk]``, ``k [T, Hk, Dqk]``, ``v [T, Hk, Dv]`` (query dtype) of a
+    pure-prefill batch, for a varlen flash-attention kernel; appends the new tokens to the
+    layer's cache exactly as ``impl.forward`` does.
+
+    MLA (``inputs = (q, kv_c_normed, k_pe)``): ``k``/``v`` are expanded through
+    ``kv_b_proj`` (W_UK / W_UV), as vLLM's MLA prefill does, and ``k_pe`` is
+    broadcast to every head. Standard attention (``inputs = (q, k, v)``): as given.
+
+    Uses the runtime impls' internal helpers (the latent expansion and the
+    per-request cache), so it stays in step with :mod:`fusion_pass.runtime`.
+    """
+    if spec.num_decode_tokens != 0 or spec.has_chunked_prefill:
+        raise ValueError(
+            f"fused backends run only on pure-prefill batches (no decode tokens, no cached context); "
+            f"got a {spec.kind!r} batch"
+        )
+    locs = spec.query_start_loc()
+    if _is_mla(impl):
+        q, kv_c_normed, k_pe = inputs
+        k_pe = impl._check_inputs(q, kv_c_normed, k_pe, spec)
+        impl._cache.check(spec)
+        latent = torch.cat([kv_c_normed, k_pe], dim=-1)  # [T, L + rope], input dtype
+        for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
+            impl._cache.extend(req, (latent[start:end],))
+        w_uk, w_uv = impl._weights()
+        k, v = impl._expand(latent, w_uk, w_uv)  # float32
+        return q, k.to(q.dtype), v.to(q.dtype)
+    q, k, v = inputs
+    t = spec.num_tokens
+    for name, x, shape in (
+        ("q", q, (t, impl.num_heads, impl.head_dim)),
+        ("k", k, (t, impl.num_kv_heads, impl.head_dim)),
+        ("v", v, (t, impl.num_kv_heads, impl.v_head_dim)),
+    ):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
+    impl._cache.check(spec)
+    for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
+        impl._cache.extend(req, (k[start:end], v[start:end]))
+    return q, k, v
+
+
+def _varlen_meta(spec: Any, device: torch.device) -> tuple[Tensor, int]:
+    """``cu_seqlens`` int32 ``[B + 1]`` on ``device`` and the longest query length."""
+    cu_seqlens = torch.tensor(spec.query_start_loc(), dtype=torch.int32, device=device)
+    return cu_seqlens, max(r.query_len for r in spec.requests)
+
+
+# ---------------------------------------------------------------------------
+# fa4
+# ---------------------------------------------------------------------------
+
+
+def fa4_availability(
+    module_or_func: Any,
+    capability: tuple[int, int] | None,
+    *,
+    import_error: str | None = None,
+    has_fp4_dtype: bool | None = None,
+) -> tuple[bool, str]:
+    """Decide whether the FA4 backend can run, from injected facts (pure).
+
+    Args:
+        module_or_func: the imported ``flash_attn.cute`` module, or its
+            ``flash_attn_varlen_func``, or ``None`` when the import failed.
+        capability: ``(major, minor)`` of the CUDA device, ``None`` without CUDA.
+        import_error: why the import failed (used when ``module_or_func`` is None).
+        has_fp4_dtype: whether torch has ``float4_e2m1fn_x2`` (default: ask torch).
+
+    Checks, in order: the module imports; its varlen forward has the
+    parameters :data:`FA4_NVFP4_ARGS`; torch has ``float4_e2m1fn_x2``; a CUDA
+    device exists; its capability major is 10 or 11 (SM100/SM110).
+    """
+    if module_or_func is None:
+        return False, import_error or "flash_attn.cute is not installed"
+    if inspect.ismodule(module_or_func):
+        func = getattr(module_or_func, "flash_attn_varlen_func", None)
+        if func is None:
+            return False, "installed flash_attn.cute has no flash_attn_varlen_func"
+    else:
+        func = module_or_func
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError) as exc:
+        return False, f"cannot read the signature of flash_attn.cute.flash_attn_varlen_func: {exc}"
+    missing = [p for p in FA4_NVFP4_ARGS if p not in params]
+    if missing:
+        return False, (
+            "installed flash_attn.cute.flash_attn_varlen_func has no NVFP4 output arguments "
+            f"(out/output_scale/output_scales); missing: {', '.join(missing)}"
+        )
+    if has_fp4_dtype is None:
+        has_fp4_dtype = hasattr(torch, "float4_e2m1fn_x2")
+    if not has_fp4_dtype:
+        return False, f"torch {torch.__version__} has no float4_e2m1fn_x2 dtype"
+    if capability is None:
+        return False, "no CUDA device"
+    major, minor = capability
+    if major not in (10, 11):
+        return False, f"needs an SM100/SM110 GPU, found sm_{major}{minor}"
+    return True, f"flash_attn.cute varlen forward with NVFP4 output on sm_{major}{minor}"
+
+
+def _import_fa4() -> tuple[Any, str | None]:
+    """``(flash_attn.cute module, None)`` or ``(None, why it did not import)``."""
+    try:
+        module = importlib.import_module("flash_attn.cute")
+    except ModuleNotFoundError as exc:
+        if exc.name in ("flash_attn", "flash_attn.cute"):
+            return None, "flash_attn.cute is not installed"
+        return None, f"flash_attn.cute failed to import: {exc}"
+    except Exception as exc:  # a broken install must not break the op: report it
+        return None, f"flash_attn.cute failed to import: {type(exc).__name__}: {exc}"
+    return module, None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_capability(index: int | None) -> tuple[int, int] | None:
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@functools.lru_cache(maxsize=None)
+def _fa4_status() -> tuple[bool, str]:
+    module, error = _import_fa4()
+    if module is None:
+        return fa4_availability(None, None, import_error=error)
+    return fa4_availability(module, _device_capability(None))
+
+
+def fa4_call_kwargs(
+    output: Tensor,
+    output_scale: Tensor,
+    output_block_scale: Tensor,
+    *,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    softmax_scale: float,
+    num_heads: int,
+    v_head_dim: int,
+) -> dict[str, Any]:
+    """Keyword arguments of the FA4 varlen forward call with NVFP4 output (pure).
+
+    * ``out``: ``output`` viewed as ``float4_e2m1fn_x2`` ``[T, H, Dv/2]`` (uint8
+      when torch lacks that dtype; the bytes are the same);
+    * ``output_scale``: the global scale, as given (float32, one element);
+    * ``output_scales``: ``output_block_scale`` viewed as ``float8_e4m3fn``
+      ``[round_up(T, 128), round_up(H*Dv/16, 4)]`` (the swizzled layout);
+    * causal attention over the new tokens of each request: ``cu_seqlens`` for
+      both q and k, ``max_seqlen`` for both.
+
+    All views share storage with the op's buffers: the kernel writes them in place.
+    """
+    fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+    out = output.view(torch.uint8)
+    if fp4 is not None:
+        out = out.view(fp4)
+    out = out.view(-1, num_heads, v_head_dim // 2)
+    scale_bytes = output_block_scale.view(torch.uint8)
+    cols = nvfp4.round_up(num_heads * v_head_dim // nvfp4.BLOCK_SIZE, 4)
+    output_scales = scale_bytes.view(-1, cols).view(torch.float8_e4m3fn)
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "cu_seqlens_q": cu_seqlens,
+        "cu_seqlens_k": cu_seqlens,
+        "max_seqlen_q": max_seqlen,
+        "max_seqlen_k": max_seqlen,
+        "softmax_scale": softmax_scale,
+        "causal": True,
+        "out": out,
+        "output_scale": output_scale,
+        "output_scales": output_scales,
+    }
+
+
+class FA4Backend:
+    """FlashAttention-4 varlen forward with NVFP4 output (SM100/SM110).
+
+    ``varlen_func`` replaces ``flash_attn.cute.flash_attn_varlen_func`` in
+    :meth:`run` (tests inject a PyTorch stand-in; nothing else should).
+    """
+
+    name = "fa4"
+
+    def __init__(self, varlen_func: Callable[..., Any] | None = None) -> None:
+        self._varlen_func = varlen_func
+
+    def available(self) -> tuple[bool, str]:
+        return _fa4_status()
+
+    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
+        ok, why = _check_device_dtype(self.name, device, dtype, _HALF_DTYPES)
+        if not ok:
+            return ok, why
+        device = torch.device(device)
+        capability = _device_capability(device.index)
+        if capability is None or capability[0] not in (10, 11):
+            found = "no CUDA device" if capability is None else f"sm_{capability[0]}{capability[1]}"
+            return False, f"fa4 needs an SM100/SM110 GPU, {device} is {found}"
+        standard = 8 <= qk_head_dim <= 128 and 8 <= v_head_dim <= 128 and qk_head_dim % 8 == 0
+        if not (standard or (qk_head_dim, v_head_dim) == (192, 128)):
+            return False, (
+                f"fa4 supports head dims 8..128 (multiples of 8) or (192, 128), "
+                f"got (qk={qk_head_dim}, v={v_head_dim})"
+            )
+        if v_head_dim % nvfp4.BLOCK_SIZE != 0:
+            return False, f"fa4's NVFP4 epilogue needs v_head_dim divisible by 16, got {v_head_dim}"
+        return True, "ok"
+
+    def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
+        """Untested here: no SM100 GPU and no FA4 release with NVFP4 output exist in this
+        project's environments. The scale buffer is zeroed first so its padding entries
+        are zero whatever the kernel writes to rows it does not own."""
+        func = self._varlen_func
+        if func is None:
+            module, error = _import_fa4()
+            if module is None:
+                raise RuntimeError(f"fa4 backend: {error}")
+            func = module.flash_attn_varlen_func
+        q, k, v = prefill_qkv(impl, inputs, spec)
+        cu_seqlens, max_seqlen = _varlen_meta(spec, q.device)
+        output_block_scale.view(torch.uint8).zero_()
+        func(
+            **fa4_call_kwargs(
+                output,
+                output_scale,
+                output_block_scale,
+                q=q,
+                k=k,
+                v=v,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                softmax_scale=impl.softmax_scale,
+                num_heads=impl.num_heads,
+                v_head_dim=impl.v_head_dim,
+            )
+        )
+
+
+# ---------------------------------------------------------------------------
+# triton
+# ---------------------------------------------------------------------------
+
+
+def triton_availability(
+    *,
+    find_spec: Callable[[str], Any] = importlib.util.find_spec,
+    import_module: Callable[[str], Any] = importlib.import_module,
+    cuda_available: Callable[[], bool] = torch.cuda.is_available,
+) -> tuple[bool, str]:
+    """Decide whether the Triton backend can run; the probes are injectable.
+
+    Checks, in order: ``fusion_pass.kernels`` exists (``find_spec``); ``triton``
+    imports; a CUDA device exists; ``fusion_pass.kernels`` imports and has
+    :data:`TRITON_ENTRY_POINT`.
+    """
+    if find_spec("fusion_pass.kernels") is None:
+        return False, "fusion_pass.kernels (the Triton kernels) is not part of this build"
+    try:
+        triton = import_module("triton")
+    except ImportError:
+        return False, "triton is not installed"
+    except Exception as exc:
+        return False, f"triton failed to import: {type(exc).__name__}: {exc}"
+    if not cuda_available():
+        return False, "no CUDA device"
+    try:
+        kernels = import_module("fusion_pass.kernels")
+    except Exception as exc:
+        return False, f"fusion_pass.kernels failed to import: {type(exc).__name__}: {exc}"
+    if not callable(getattr(kernels, TRITON_ENTRY_POINT, None)):
+        return False, f"fusion_pass.kernels has no {TRITON_ENTRY_POINT}(), the entry point this backend calls"
+    version = getattr(triton, "__version__", "?")
+    return True, f"Triton {version} flash attention with an NVFP4 epilogue"
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_status() -> tuple[bool, str]:
+    return triton_availability()
+
+
+class TritonBackend:
+    """The project's Triton flash attention with an NVFP4 epilogue.
+
+    Calls ``fusion_pass.kernels.flash_attention_nvfp4_varlen(q, k, v, *,
+    cu_seqlens, max_seqlen, softmax_scale, causal, output, output_scale,
+    output_block_scale)`` with ``q``/``k``/``v`` from :func:`prefill_qkv`,
+    ``output`` uint8 ``[T, H*Dv/2]`` and ``output_block_scale`` the swizzled
+    scale buffer (zeroed before the call). ``fusion_pass.kernels`` is added by a
+    later change; until then this backend reports itself unavailable and
+    :meth:`run` is never reached.
+    """
+
+    name = "triton"
+
+    def available(self) -> tuple[bool, str]:
+        return _triton_status()
+
+    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
+        ok, why = _check_device_dtype(self.name, device, dtype, _HALF_DTYPES)
+        if not ok:
+            return ok, why
+        if v_head_dim % nvfp4.BLOCK_SIZE != 0:
+            return False, f"triton's NVFP4 epilogue needs v_head_dim divisible by 16, got {v_head_dim}"
+        return True, "ok"
+
+    def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
+        kernels = importlib.import_module("fusion_pass.kernels")
+        q, k, v = prefill_qkv(impl, inputs, spec)
+        cu_seqlens, max_seqlen = _varlen_meta(spec, q.device)
+        output_block_scale.view(torch.uint8).zero_()
+        getattr(kernels, TRITON_ENTRY_POINT)(
+            q,
+            k,
+            v,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            softmax_scale=impl.softmax_scale,
+            causal=True,
+            output=output.view(torch.uint8),
+            output_scale=output_scale,
+            output_block_scale=output_block_scale,
+        )
+
+
+# ---------------------------------------------------------------------------
+# reference
+# ---------------------------------------------------------------------------
+
+
+class ReferenceBackend:
+    """PyTorch, any device: float32 runtime attention quantized directly from float32."""
+
+    name = "reference"
+
+    def available(self) -> tuple[bool, str]:
+        return True, "PyTorch float32 attention + nvfp4.quantize, any device"
+
+    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False, f"reference supports float16, bfloat16 and float32 queries, got {dtype}"
+        if (num_heads * v_head_dim) % nvfp4.BLOCK_SIZE != 0:
+            return False, f"num_heads * v_head_dim = {num_heads * v_head_dim} is not divisible by 16"
+        return True, "ok"
+
+    def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
+        out32 = impl.forward(*inputs, spec)  # float32 [T, H, Dv]
+        t = out32.shape[0]
+        packed, scales = nvfp4.quantize(out32.reshape(t, -1), output_scale, swizzled=True)
+        _write_nvfp4(output, output_block_scale, packed, scales)
+
+
+# ---------------------------------------------------------------------------
+# registry, configuration, selection
+# ---------------------------------------------------------------------------
+
+_BACKENDS: dict[str, Backend] = {
+    "fa4": FA4Backend(),
+    "triton": TritonBackend(),
+    "reference": ReferenceBackend(),
+}
+
+_override: str | None = None  # set_backend / use_backend; None: the environment decides
+_override_lock = threading.Lock()
+
+
+def _normalize_choice(name: str, source: str) -> str:
+    value = name.strip().lower() if isinstance(name, str) else name
+    if value not in BACKEND_CHOICES:
+        raise ValueError(f"{source}={name!r} is not a backend; choose one of {', '.join(BACKEND_CHOICES)}")
+    return value
+
+
+def configured_backend() -> str:
+    """The configured choice: :func:`set_backend`'s, else ``$FUSION_PASS_BACKEND``, else ``auto``.
+
+    Raises ValueError naming the variable and the choices when the variable is invalid.
+    """
+    override = _override
+    if override is not None:
+        return override
+    raw = os.environ.get(BACKEND_ENV, "")
+    if not raw.strip():
+        return "auto"
+    return _normalize_choice(raw, BACKEND_ENV)
+
+
+def set_backend(name: str | None) -> str | None:
+    """Pin the backend choice for the process (``None``: back to the environment/``auto``).
+
+    Returns the previous pinned choice (``None`` if there was none).
+    """
+    global _override
+    value = None if name is None else _normalize_choice(name, "set_backend(name)")
+    with _override_lock:
+        previous, _override = _override, value
+    return previous
+
+
+@contextmanager
+def use_backend(name: str | None) -> Iterator[str | None]:
+    """Pin the backend choice inside the ``with`` block, then restore the previous one."""
+    global _override
+    previous = set_backend(name)
+    try:
+        yield name
+    finally:
+        with _override_lock:
+            _override = previous
+
+
+def get_backend(name: str) -> Backend:
+    """The backend object named ``name`` (one of :data:`BACKEND_ORDER`)."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; backends: {', '.join(BACKEND_ORDER)}") from None
+
+
+def backends() -> list[dict[str, Any]]:
+    """One entry per backend, in preference order: ``{"name", "available", "reason"}``."""
+    result = []
+    for name in BACKEND_ORDER:
+        ok, reason = _BACKENDS[name].available()
+        result.append({"name": name, "available": ok, "reason": reason})
+    return result
+
+
+def select_backend(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    num_heads: int,
+    qk_head_dim: int,
+    v_head_dim: int,
+    *,
+    preferred: str | None = None,
+) -> tuple[Backend | None, str]:
+    """The first available backend that supports the layer, and why.
+
+    ``preferred`` (a backend name, or ``"auto"``) overrides the configured
+    choice (:func:`configured_backend`); a named choice restricts the search to
+    that backend. Returns ``(backend, its description)`` or ``(None, reasons)``
+    with one ``"name: why"`` per backend tried, joined by ``"; "``.
+    """
+    choice = configured_backend() if preferred is None else _normalize_choice(preferred, "preferred")
+    names = BACKEND_ORDER if choice == "auto" else (choice,)
+    device = torch.device(device)
+    reasons = []
+    for name in names:
+        backend = _BACKENDS[name]
+        ok, why = backend.available()
+        if ok:
+            ok, unsupported = backend.supports(device, dtype, num_heads, qk_head_dim, v_head_dim)
+            if ok:
+                return backend, why
+            why = unsupported
+        reasons.append(f"{name}: {why}")
+    return None, "; ".join(reasons)
+
+
+def refresh() -> None:
+    """Forget the cached availability results; the next query detects again."""
+    _fa4_status.cache_clear()
+    _triton_status.cache_clear()
+    _device_capability.cache_clear()
