@@ -7,10 +7,15 @@ Importing the package registers the ``torch.ops.fusion_pass`` op library.
 * :mod:`fusion_pass.debug`: graph dumps.
 """
 
-from fusion_pass import ops  # noqa: F401  (registers torch.ops.fusion_pass.*)
-from fusion_pass import debug
-from fusion_pass.fusion import FusionPass, enable
+import warnings
+
+# torch warns at import when NumPy is absent; nothing in this package uses NumPy.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+from fusion_pass import ops  # noqa: F401,E402  (registers torch.ops.fusion_pass.*)
+from fusion_pass import backends, debug  # noqa: E402  (fusion_pass.backends() lists them)
+from fusion_pass.fusion import FusionPass, enable  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["FusionPass", "debug", "enable"]
+__all__ = ["FusionPass", "backends", "debug", "enable"]

@@ -37,6 +37,9 @@ environment variable ``FUSION_PASS_BACKEND`` (``auto``, ``fa4``, ``triton``,
 
 from __future__ import annotations
 
+import sys
+import types
+
 import functools
 import importlib
 import importlib.util
@@ -620,3 +623,13 @@ def refresh() -> None:
     _fa4_status.cache_clear()
     _triton_status.cache_clear()
     _device_capability.cache_clear()
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``fusion_pass.backends()`` list the backends while the module stays importable."""
+
+    def __call__(self) -> list[dict[str, Any]]:
+        return backends()
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -5,10 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
-
-# torch warns at import when NumPy is absent; nothing here uses NumPy.
-warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 DESCRIPTION = """\
 attn-nvfp4-fusion: fuse attention -> NVFP4 quant -> o_proj under torch.compile.

@@ -58,16 +58,16 @@ def dump(directory: str | os.PathLike):
     """Write graph dumps and depyf's artifacts under ``directory`` for the compiles in the block."""
     import depyf
 
-    global _dump_dir
-    previous = _dump_dir
+    global _dump_dir, _counter
+    previous = _dump_dir, _counter
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    _dump_dir = path
+    _dump_dir, _counter = path, itertools.count()  # each directory numbers its graphs from 000
     try:
         with depyf.prepare_debug(str(path / "depyf")):
             yield path
     finally:
-        _dump_dir = previous
+        _dump_dir, _counter = previous
 
 
 def _enable_from_env() -> None:

@@ -143,20 +143,22 @@ class FusionPass(CustomGraphPass):
 
 
 class ChainedPass(CustomGraphPass):
-    """Runs ``first`` (a pass that was installed before ours), then ``second``."""
+    """Runs the passes installed before ours (one pass or a list of them, in order), then ``second``."""
 
     def __init__(self, first, second: CustomGraphPass):
-        self.first, self.second = first, second
+        self.firsts = list(first) if isinstance(first, (list, tuple)) else [first]
+        self.second = second
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.first(graph)
+        for other in self.firsts:
+            other(graph)
         self.second(graph)
 
     def uuid(self):
-        first = self.first.uuid() if hasattr(self.first, "uuid") else None
-        if first is None:
+        uuids = [other.uuid() if hasattr(other, "uuid") else None for other in self.firsts]
+        if any(u is None for u in uuids):
             return None  # a plain callable cannot be hashed: Inductor then skips its FX graph cache
-        return hashlib.sha256(f"{first}:{self.second.uuid()}".encode()).hexdigest()
+        return hashlib.sha256(":".join([*map(str, uuids), self.second.uuid()]).encode()).hexdigest()
 
 
 class enable:

@@ -33,6 +33,9 @@ SCHEMAS = {
         "nvfp4_gemm(Tensor a, Tensor b, Tensor block_scale_a, Tensor block_scale_b, Tensor alpha, "
         "ScalarType out_dtype) -> Tensor"
     ),
+    "static_scaled_fp8_quant": (
+        "static_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor scale) -> ()"
+    ),
     "attention_with_output": (
         "attention_with_output(Tensor q, Tensor k, Tensor v, Tensor(a!) output, str layer_name, "
         "Tensor? output_scale=None, Tensor(b!)? output_block_scale=None) -> ()"
@@ -135,6 +138,26 @@ def scaled_fp4_quant(input: Tensor, input_global_scale: Tensor, is_sf_swizzled_l
         input, input_global_scale, is_sf_swizzled_layout, output=output, output_scale=output_scale
     )
     return output, output_scale.view(torch.float8_e4m3fn)
+
+
+@_impl("static_scaled_fp8_quant")
+def _static_scaled_fp8_quant(result: Tensor, input: Tensor, scale: Tensor) -> None:
+    """Per-tensor FP8 (e4m3) quant, as vLLM's ``_C::static_scaled_fp8_quant``: ``result = fp8(input / scale)``.
+
+    Another output format: the pass refuses attention whose output feeds it.
+    """
+    if result.dtype != torch.float8_e4m3fn or result.shape != input.shape:
+        raise ValueError(
+            f"static_scaled_fp8_quant: result must be float8_e4m3fn of the input's shape {list(input.shape)}, "
+            f"got {result.dtype} {list(result.shape)}"
+        )
+    q = (input.float() / scale.float()).clamp(-nvfp4.E4M3_MAX, nvfp4.E4M3_MAX)
+    result.copy_(q.to(torch.float8_e4m3fn))
+
+
+@_fake("static_scaled_fp8_quant")
+def _static_scaled_fp8_quant_fake(result, input, scale) -> None:
+    return None
 
 
 # ---------------------------------------------------------------------------

@@ -51,5 +51,5 @@ def fusion_pass_vocabulary() -> OpVocabulary:
         mla_attention=ops.mla_attention_with_output.default,
         nvfp4_quant=ops.scaled_fp4_quant.out,
         nvfp4_gemm=ops.nvfp4_gemm.default,
-        other_quants=(),
+        other_quants=(ops.static_scaled_fp8_quant.default,),
     )

@@ -1,0 +1,761 @@
+"""The fusion pass on real post-grad graphs: compile with torch.compile, run the pass, inspect the nodes.
+
+Every graph here comes out of a real ``torch.compile`` (Dynamo -> AOT autograd
+-> Inductor's post-grad passes); the pass is installed as Inductor's
+``post_grad_custom_post_pass`` wrapped in :class:`Recorder`, which snapshots
+the graph right before and right after the pass. Both functionalized forms of
+the mutating ops are covered (``enable_auto_functionalized_v2`` False: vLLM's
+``auto_functionalized``; True: torch.compile's default ``auto_functionalized_v2``).
+
+The graph inspection below is written against the graph itself (targets,
+kwargs, placeholders), not through :mod:`fusion_pass.matcher`, so that the
+matcher is checked, not reused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import operator
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import fusion_pass
+from fusion_pass import backends, demo, guard, layers, models, nvfp4, runtime
+from fusion_pass.fusion import FusionPass
+from fusion_pass.ops import scaled_fp4_quant
+from fusion_pass.patterns import PATTERNS
+from fusion_pass.runtime import BatchSpec, RequestSpec
+
+OPS = torch.ops.fusion_pass
+aten = torch.ops.aten
+HOPS = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+ATTENTION_OPS = (OPS.mla_attention_with_output.default, OPS.attention_with_output.default)
+QUANT = OPS.scaled_fp4_quant.out
+GEMM = OPS.nvfp4_gemm.default
+VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
+REPO = Path(__file__).resolve().parents[1]
+
+_names = itertools.count()
+
+
+def unique(prefix: str) -> str:
+    """A layer-name prefix no other test (or earlier parametrization) uses."""
+    return f"test_fusion_pass.{prefix}{next(_names)}"
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(autouse=True)
+def _clean_compile_state(monkeypatch):
+    """Fresh Dynamo caches, no FX graph cache (a cache hit skips the post-grad passes), the reference
+    backend pinned, zeroed guard counters."""
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    monkeypatch.delenv("FUSION_PASS_DUMP", raising=False)
+    torch._dynamo.reset()
+    guard.reset_counters()
+    with inductor_config.patch(fx_graph_cache=False), backends.use_backend("reference"):
+        yield
+    runtime.clear_kv_caches()
+    guard.reset_counters()
+    torch._dynamo.reset()
+
+
+@pytest.fixture(params=["v1", "v2"])
+def form(request):
+    """Both functionalized forms: ``auto_functionalized`` (v1, vLLM's) and ``auto_functionalized_v2``."""
+    with inductor_config.patch(enable_auto_functionalized_v2=request.param == "v2"):
+        yield request.param
+
+
+# ---------------------------------------------------------------- recording the post-grad graph
+
+
+def snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` (nodes, kwargs, meta): Inductor keeps lowering the original after the pass."""
+    copy = torch.fx.Graph()
+    out = copy.graph_copy(graph, {})
+    copy.output(out)
+    return copy
+
+
+class Recorder(CustomGraphPass):
+    """Runs ``fusion`` (a FusionPass, or None for an unfused compile) and keeps each graph before and after."""
+
+    def __init__(self, fusion: FusionPass | None):
+        self.fusion = fusion
+        self.before: list[torch.fx.Graph] = []
+        self.after: list[torch.fx.Graph] = []
+        self.code: list[str] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.before.append(snapshot(graph))
+        if self.fusion is not None:
+            self.fusion(graph)
+        self.after.append(snapshot(graph))
+        self.code.append(graph.python_code("self").src)
+
+    def uuid(self):
+        inner = self.fusion.uuid() if self.fusion is not None else "unfused"
+        return f"{inner}:test-recorder"
+
+
+def compile_with(fn, recorder: Recorder):
+    return torch.compile(fn, options={"post_grad_custom_post_pass": recorder, "fx_graph_cache": False})
+
+
+# ---------------------------------------------------------------- graph inspection
+
+
+def wrapped(node):
+    """The op inside an auto_functionalized[_v2] node, else None."""
+    if node.op == "call_function" and node.target in HOPS:
+        return node.args[0]
+    return None
+
+
+def is_v2(node) -> bool:
+    return node.target is torch.ops.higher_order.auto_functionalized_v2
+
+
+def attention_nodes(graph):
+    return [n for n in graph.nodes if wrapped(n) in ATTENTION_OPS]
+
+
+def quant_nodes(graph):
+    return [n for n in graph.nodes if wrapped(n) is QUANT or n.target is QUANT]
+
+
+def gemm_nodes(graph):
+    return [n for n in graph.nodes if n.target is GEMM]
+
+
+def buffer(node, arg):
+    """The node passed as mutable ``arg`` of an auto_functionalized[_v2] node (its base in v2)."""
+    if not is_v2(node):
+        return node.kwargs.get(arg)
+    index = node.kwargs.get(f"_{arg}_base_index")
+    return None if index is None else node.kwargs["_all_bases"][index]
+
+
+def result_index(node, arg):
+    """Index of the getitem carrying ``arg`` after the mutation (both ops mutate two args)."""
+    if not is_v2(node):
+        mutable = [a.name for a in wrapped(node)._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        return 1 + mutable.index(arg)
+    return 1 + node.kwargs[f"_{arg}_base_index"]
+
+
+def is_empty(node, dtype) -> bool:
+    return (isinstance(node, torch.fx.Node) and node.target is aten.empty.memory_format
+            and node.kwargs.get("dtype") == dtype)
+
+
+def feeds(node):
+    """Users of ``node`` seen through view ops."""
+    seen = []
+    for user in node.users:
+        if user.target in VIEWS:
+            seen.extend(feeds(user))
+        else:
+            seen.append(user)
+    return seen
+
+
+def quant_scale_by_layer(graph) -> dict[str, str]:
+    """layer_name -> name of the placeholder the layer's quant reads as its global scale (before the pass)."""
+    scales = {}
+    for node in attention_nodes(graph):
+        for user in node.users:
+            for consumer in feeds(user):
+                if wrapped(consumer) is QUANT:
+                    scales[node.kwargs["layer_name"]] = consumer.kwargs["input_scale"].name
+    return scales
+
+
+def bf16_buffers_of_attention(graph):
+    """bf16 ``empty`` buffers passed (directly or through views) to an attention call."""
+    return [n for n in graph.nodes if is_empty(n, torch.bfloat16)
+            and any(wrapped(u) in ATTENTION_OPS for u in feeds(n))]
+
+
+def assert_fused(rec: Recorder, n: int, form: str, graph_index: int = 0) -> None:
+    """The graph after the pass has n NVFP4-output attention calls feeding the GEMMs, and no quant."""
+    before, after = rec.before[graph_index], rec.after[graph_index]
+    code = rec.code[graph_index]
+    scales = quant_scale_by_layer(before)
+    assert len(scales) == n, f"expected {n} attention -> quant chains before the pass, got {scales}"
+    assert len(bf16_buffers_of_attention(before)) == n
+
+    assert quant_nodes(after) == [], code
+    attention = attention_nodes(after)
+    assert len(attention) == n, code
+    assert bf16_buffers_of_attention(after) == [], code
+    placeholders = {p.name: p for p in after.nodes if p.op == "placeholder"}
+    for node in attention:
+        assert is_v2(node) == (form == "v2"), node.format_node()
+        layer = node.kwargs["layer_name"]
+        scale = node.kwargs["output_scale"]  # not mutable: a plain kwarg in both forms
+        assert scale is not None and scale.op == "placeholder", node.format_node()
+        assert scale.name == scales[layer] and placeholders[scale.name] is scale
+        if form == "v1":
+            assert "output_block_scale" in node.kwargs
+        else:
+            assert node.kwargs.get("_output_block_scale_base_index") is not None, node.format_node()
+            assert node.kwargs.get("_output_size") is None  # the bases are the quant's own buffers
+        assert is_empty(buffer(node, "output_block_scale"), torch.int32), node.format_node()
+        assert is_empty(buffer(node, "output"), torch.uint8), node.format_node()
+
+    gemms = gemm_nodes(after)
+    assert len(gemms) == n, code
+    for gemm in gemms:
+        a, block_scale_a = gemm.args[0], gemm.args[2]
+        assert a.target is operator.getitem and a.args[0] in attention, gemm.format_node()
+        attn = a.args[0]
+        assert a.args[1] == result_index(attn, "output")
+        assert block_scale_a.target is aten.view.dtype and block_scale_a.args[1] == torch.float8_e4m3fn
+        scale_item = block_scale_a.args[0]
+        assert scale_item.target is operator.getitem and scale_item.args[0] is attn, gemm.format_node()
+        assert scale_item.args[1] == result_index(attn, "output_block_scale")
+    assert {g.args[0].args[0] for g in gemms} == set(attention)  # one GEMM per attention call
+
+
+def assert_refused(rec: Recorder, fp: FusionPass, reason: str, *, candidates: int = 1, quants: int | None = None) -> None:
+    """The pass left the graph alone (quant kept, attention unchanged) and counted ``reason``."""
+    before, after, code = rec.before[0], rec.after[0], rec.code[0]
+    assert len(attention_nodes(before)) == candidates
+    assert len(quant_nodes(before)) == (candidates if quants is None else quants)
+    assert len(fp.graphs) == 1
+    report = fp.graphs[0]
+    assert report.candidates == candidates and report.rewritten == 0, report
+    assert report.refused == {reason: candidates}, report
+    assert [entry["reason"] for entry in report.layers] == [reason] * candidates
+    assert len(quant_nodes(after)) == len(quant_nodes(before)), code
+    assert [n.format_node() for n in attention_nodes(after)] == [n.format_node() for n in attention_nodes(before)]
+    assert [n.format_node() for n in gemm_nodes(after)] == [n.format_node() for n in gemm_nodes(before)]
+    assert after.python_code("self").src == before.python_code("self").src
+
+
+# ---------------------------------------------------------------- a small MLA layer + NVFP4 o_proj
+
+
+class Block(nn.Module):
+    """A registered MLA attention layer and an NVFP4 o_proj's weights, for hand-written functions."""
+
+    def __init__(self, name: str, *, heads=2, nope=16, rope=8, v=32, lora=32, out=32, o_proj_in=None, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.heads, self.nope, self.rope, self.v, self.lora = heads, nope, rope, v, lora
+        kv_b_proj = nn.Linear(lora, heads * (nope + v), bias=False)
+        with torch.no_grad():
+            kv_b_proj.weight.copy_(torch.randn(heads * (nope + v), lora, generator=g) * lora**-0.5)
+        self.attn = layers.MLAAttention(num_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                                        v_head_dim=v, kv_lora_rank=lora, kv_b_proj=kv_b_proj, layer_name=name)
+        width = o_proj_in or heads * v
+        self.o_proj = layers.NVFP4Linear(torch.randn(out, width, generator=g) * width**-0.5, input_amax=2.0)
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.v
+
+    def inputs(self, spec: BatchSpec, seed: int = 0):
+        """bf16 ``q``, ``kv_c_normed``, ``k_pe`` for ``spec``, dynamic in the token count."""
+        g = torch.Generator().manual_seed(seed)
+        t = spec.num_tokens
+        tensors = (torch.randn(t, self.heads, self.nope + self.rope, generator=g),
+                   torch.randn(t, self.lora, generator=g), torch.randn(t, 1, self.rope, generator=g))
+        tensors = tuple(x.to(torch.bfloat16) for x in tensors)
+        for x in tensors:
+            torch._dynamo.mark_dynamic(x, 0)
+        return tensors
+
+    def gemm(self, x_fp4, x_scale):
+        p = self.o_proj
+        return OPS.nvfp4_gemm(x_fp4, p.weight, x_scale, p.weight_scale, p.alpha, torch.bfloat16)
+
+
+@pytest.fixture
+def make_block():
+    built = []
+
+    def make(**kwargs):
+        block = Block(unique("block"), **kwargs)
+        built.append(block)
+        return block
+
+    yield make
+    for block in built:
+        models.release_layers(block)
+
+
+def run_compiled(fn, spec: BatchSpec, *args):
+    with runtime.batch(spec), torch.no_grad():
+        return fn(*args)
+
+
+PREFILL = BatchSpec.from_lens([9, 5])
+
+
+def compile_and_run(fn, block: Block, fusion: FusionPass, spec: BatchSpec = PREFILL) -> Recorder:
+    rec = Recorder(fusion)
+    run_compiled(compile_with(fn, rec), spec, *block.inputs(spec))
+    runtime.clear_kv_caches()
+    return rec
+
+
+# ---------------------------------------------------------------- positive: the demo models
+
+
+def _model_batches():
+    """A prefill batch, then another pure prefill with a different token count (no recompile expected)."""
+    return [BatchSpec.from_lens([9, 4]), BatchSpec((RequestSpec("x", 6), RequestSpec("y", 11), RequestSpec("z", 3)))]
+
+
+@pytest.mark.parametrize("model_name", ["mla", "gqa"])
+def test_demo_model_attention_and_quant_become_one_nvfp4_attention_call(model_name, form):
+    model = demo.build_model(model_name, tiny=True, layers=2, prefix=unique(model_name))
+    hidden_size = model.norms[0].normalized_shape[0]
+    try:
+        fp = FusionPass()
+        rec = Recorder(fp)
+        compiled = compile_with(model, rec)
+        for i, spec in enumerate(_model_batches()):
+            positions, hidden = demo.make_inputs(spec, hidden_size, "cpu", seed=i)
+            torch._dynamo.mark_dynamic(positions, 0)
+            torch._dynamo.mark_dynamic(hidden, 0)
+            out = run_compiled(compiled, spec, positions, hidden)
+            assert out.shape == (spec.num_tokens, hidden_size) and torch.isfinite(out.float()).all()
+            assert len(rec.after) == 1, "a second token count must not recompile (dynamic token count)"
+    finally:
+        models.release_layers(model)
+    assert_fused(rec, 2, form)
+    assert len(fp.graphs) == 1
+    report = fp.graphs[0]
+    assert (report.candidates, report.rewritten, report.refused) == (2, 2, {})
+    assert [e["layer"] for e in report.layers] == [m.layer_name for m in model.modules()
+                                                   if isinstance(m, (layers.Attention, layers.MLAAttention))]
+    assert {e["outcome"] for e in report.layers} == {"rewritten"}
+    # the rewritten calls ran the fused kernel on both pure-prefill batches, per layer
+    assert guard.counters()["fused_by_backend"] == {"reference": 4}
+    if model_name == "gqa" and form == "v1":
+        # the standard-attention pattern crosses the [T, H, Dv] -> [T, H*Dv] view between attention and quant
+        assert all(q.kwargs["input"].target in VIEWS for q in quant_nodes(rec.before[0]))
+
+
+def test_pass_chained_after_another_installed_pass(form):
+    class OtherPass(CustomGraphPass):
+        def __init__(self):
+            self.calls, self.saw_quant = 0, []
+
+        def __call__(self, graph):
+            self.calls += 1
+            self.saw_quant.append(len(quant_nodes(graph)))
+
+        def uuid(self):
+            return "test_fusion_pass.OtherPass"
+
+    other = OtherPass()
+    model = demo.build_model("mla", tiny=True, layers=2, prefix=unique("chain"))
+    spec = BatchSpec.from_lens([7, 5])
+    positions, hidden = demo.make_inputs(spec, 256, "cpu", seed=0)
+    torch._dynamo.mark_dynamic(positions, 0)
+    torch._dynamo.mark_dynamic(hidden, 0)
+    try:
+        with inductor_config.patch(post_grad_custom_post_pass=other):
+            with fusion_pass.enable() as fp:
+                assert isinstance(fp, FusionPass)
+                installed = inductor_config.post_grad_custom_post_pass
+                assert installed is not other and installed is not fp  # chained, not replaced
+                run_compiled(torch.compile(model), spec, positions, hidden)
+            assert inductor_config.post_grad_custom_post_pass is other  # restored after the block
+    finally:
+        models.release_layers(model)
+    assert other.calls == 1 and other.saw_quant == [2]  # it ran first, on the unfused graph
+    assert len(fp.graphs) == 1 and fp.graphs[0].rewritten == 2
+    assert guard.counters()["fused_by_backend"] == {"reference": 2}
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_enable_chains_after_a_plain_callable_or_a_list_of_passes(make_block, as_list):
+    calls = []
+
+    def other(graph):  # a plain callable: no uuid, so Inductor skips its FX graph cache
+        calls.append(len(quant_nodes(graph)))
+
+    block = make_block()
+
+    def f(q, kv_c, k_pe):
+        return block.o_proj(block.attn(q, kv_c, k_pe))
+
+    with inductor_config.patch(post_grad_custom_post_pass=[other] if as_list else other):
+        with fusion_pass.enable() as fp:
+            run_compiled(torch.compile(f), PREFILL, *block.inputs(PREFILL))
+    assert calls == [1]
+    assert len(fp.graphs) == 1 and fp.graphs[0].rewritten == 1
+
+
+def test_pattern_set_restricted_to_standard_attention_refuses_mla(form):
+    model = demo.build_model("mla", tiny=True, layers=2, prefix=unique("restricted"))
+    spec = BatchSpec.from_lens([6, 3])
+    positions, hidden = demo.make_inputs(spec, 256, "cpu", seed=0)
+    torch._dynamo.mark_dynamic(positions, 0)
+    torch._dynamo.mark_dynamic(hidden, 0)
+    fp = FusionPass(patterns=(PATTERNS[1],))
+    rec = Recorder(fp)
+    try:
+        run_compiled(compile_with(model, rec), spec, positions, hidden)
+    finally:
+        models.release_layers(model)
+    assert_refused(rec, fp, "pattern_not_enabled", candidates=2)
+    assert all(entry["pattern"] is None for entry in fp.graphs[0].layers)
+
+
+# ---------------------------------------------------------------- numerics through a compiled layer
+
+
+def _attn_quant_gemm(block: Block):
+    """MLA attention -> scaled_fp4_quant -> nvfp4_gemm, also returning the quant's outputs
+    (which gives them a second user: the graph output; the GEMM still reads them)."""
+
+    def f(q, kv_c, k_pe, gs, w, w_sf, alpha):
+        out = block.attn(q, kv_c, k_pe)
+        x_fp4, x_sf = scaled_fp4_quant(out, gs)
+        y = OPS.nvfp4_gemm(x_fp4, w, x_sf, w_sf, alpha, torch.bfloat16)
+        return y, x_fp4, x_sf
+
+    return f
+
+
+# decode requests first; each step continues the caches of the previous ones
+NUMERICS_STEPS = [
+    BatchSpec((RequestSpec("a", 9), RequestSpec("b", 5))),  # prefill: fused
+    BatchSpec((RequestSpec("a", 1, 9), RequestSpec("c", 6))),  # mixed: fallback (decode_tokens)
+    BatchSpec((RequestSpec("b", 4, 5),)),  # chunked: fallback (chunked_prefill)
+    BatchSpec((RequestSpec("a", 1, 10), RequestSpec("c", 1, 6))),  # decode: fallback (decode_tokens)
+]
+
+
+def _run_steps(fn, block: Block, gs):
+    runtime.clear_kv_caches()
+    p = block.o_proj
+    results = [run_compiled(fn, spec, *block.inputs(spec, seed=i), gs, p.weight, p.weight_scale, p.alpha)
+               for i, spec in enumerate(NUMERICS_STEPS)]
+    runtime.clear_kv_caches()
+    return results
+
+
+def test_compiled_numerics_fused_within_bound_on_prefill_and_bytes_equal_otherwise(make_block, form):
+    block = make_block()
+    gs = layers.global_scale_for(1.5)
+
+    fp = FusionPass()
+    fused_rec = Recorder(fp)
+    fused = _run_steps(compile_with(_attn_quant_gemm(block), fused_rec), block, gs)
+    assert len(fused_rec.after) == 1, "one compiled graph serves every batch"
+    assert_fused(fused_rec, 1, form)
+    assert guard.counters() == {"fused": 1, "fused_by_backend": {"reference": 1},
+                                "fallback": {"decode_tokens": 2, "chunked_prefill": 1}}
+
+    torch._dynamo.reset()
+    plain_rec = Recorder(None)
+    unfused = _run_steps(compile_with(_attn_quant_gemm(block), plain_rec), block, gs)
+    assert len(quant_nodes(plain_rec.after[0])) == 1
+
+    # prefill: attention quantized from float32 vs. rounded to bf16 then quantized
+    spec = NUMERICS_STEPS[0]
+    t = spec.num_tokens
+    runtime.clear_kv_caches()
+    attn32 = block.attn.impl.forward(*block.inputs(spec, seed=0), spec).reshape(t, -1)
+    runtime.clear_kv_caches()
+    attn16 = attn32.to(torch.bfloat16).float()
+    (_, fused_fp4, fused_sf), (_, plain_fp4, plain_sf) = fused[0], unfused[0]
+    assert fused_fp4.shape == plain_fp4.shape == (t, block.width // 2) and fused_fp4.dtype == torch.uint8
+    assert fused_sf.dtype == plain_sf.dtype == torch.float8_e4m3fn
+    fused_hat = nvfp4.dequantize(fused_fp4, fused_sf, gs, m=t)
+    plain_hat = nvfp4.dequantize(plain_fp4, plain_sf, gs, m=t)
+    bound = nvfp4.error_bound(attn32, gs) + nvfp4.error_bound(attn16, gs) + (attn32 - attn16).abs()
+    assert ((fused_hat - plain_hat).abs() <= bound).all()
+    # and each is NVFP4 of the attention it was given
+    assert ((fused_hat - attn32).abs() <= nvfp4.error_bound(attn32, gs)).all()
+    assert torch.equal(plain_fp4, nvfp4.quantize(attn16, gs)[0])
+
+    # decode / mixed / chunked: the guard falls back to the exact unfused computation
+    for step, (spec, got, want) in enumerate(zip(NUMERICS_STEPS[1:], fused[1:], unfused[1:]), start=1):
+        y, x_fp4, x_sf = got
+        y_ref, x_fp4_ref, x_sf_ref = want
+        assert torch.equal(x_fp4, x_fp4_ref), f"step {step} ({spec.kind}): packed bytes differ"
+        assert torch.equal(x_sf.view(torch.uint8), x_sf_ref.view(torch.uint8)), f"step {step}: scales differ"
+        assert torch.equal(y, y_ref), f"step {step}: GEMM output differs"
+
+
+# ---------------------------------------------------------------- negative: refusals on real graphs
+
+
+def test_refused_when_bf16_output_has_another_user(make_block, form):
+    block = make_block()
+
+    def f(q, kv_c, k_pe):
+        out = block.attn(q, kv_c, k_pe)
+        x_fp4, x_sf = scaled_fp4_quant(out, block.o_proj.input_global_scale)
+        return block.gemm(x_fp4, x_sf), out
+
+    fp = FusionPass()
+    rec = compile_and_run(f, block, fp)
+    assert_refused(rec, fp, "bf16_output_has_other_users")
+
+
+def test_refused_when_quant_reads_a_slice(make_block, form):
+    block = make_block(o_proj_in=32)  # width 64, the quant reads the first 32 columns
+    half = block.width // 2
+    assert half % 16 == 0
+
+    def f(q, kv_c, k_pe):
+        out = block.attn(q, kv_c, k_pe)
+        x_fp4, x_sf = scaled_fp4_quant(out[:, :half], block.o_proj.input_global_scale)
+        return block.gemm(x_fp4, x_sf)
+
+    fp = FusionPass()
+    rec = compile_and_run(f, block, fp)
+    assert_refused(rec, fp, "quant_reads_slice")
+
+
+def test_refused_when_v_head_dim_is_not_a_multiple_of_16(make_block, form):
+    block = make_block(heads=2, v=8)  # H * Dv = 16: the quant is fine, a head's tile is not
+    assert block.width % 16 == 0
+
+    def f(q, kv_c, k_pe):
+        out = block.attn(q, kv_c, k_pe)
+        x_fp4, x_sf = scaled_fp4_quant(out, block.o_proj.input_global_scale)
+        return block.gemm(x_fp4, x_sf)
+
+    fp = FusionPass()
+    rec = compile_and_run(f, block, fp)
+    assert_refused(rec, fp, "v_head_dim_not_multiple_of_16")
+
+
+def test_refused_when_attention_is_already_quantized(make_block, form):
+    block = make_block()
+    _, cols = nvfp4.scale_shape(PREFILL.num_tokens, block.width)
+
+    def f(q, kv_c, k_pe):
+        t = q.shape[0]
+        out = torch.empty(t, block.width // 2, dtype=torch.uint8)
+        sf = torch.empty((t + 127) // 128 * 128, cols // 4, dtype=torch.int32)
+        OPS.mla_attention_with_output(q, kv_c, k_pe, out, block.attn.layer_name,
+                                      block.o_proj.input_global_scale, sf)
+        return block.gemm(out, sf.view(torch.float8_e4m3fn))
+
+    fp = FusionPass()
+    rec = compile_and_run(f, block, fp)
+    assert_refused(rec, fp, "attention_already_quantized", quants=0)
+    assert guard.counters()["fused"] == 1  # the op's own NVFP4 path ran, guarded
+
+
+def test_refused_when_quant_scales_are_not_swizzled(make_block, form):
+    # 128 tokens and K/16 = 4: the linear scales [128, 4] have the swizzled buffer's size, so the
+    # GEMM runs on them (their meaning is wrong, the point is that the pass must not fuse)
+    block = make_block()
+    assert block.width // 16 == 4
+    spec = BatchSpec.from_lens([100, 28])
+
+    def f(q, kv_c, k_pe):
+        out = block.attn(q, kv_c, k_pe)
+        x_fp4, x_sf = scaled_fp4_quant(out, block.o_proj.input_global_scale, is_sf_swizzled_layout=False)
+        return block.gemm(x_fp4, x_sf)
+
+    fp = FusionPass()
+    rec = compile_and_run(f, block, fp, spec)
+    assert_refused(rec, fp, "quant_scales_not_swizzled")
+
+
+def test_refused_when_quant_is_another_format(make_block, form):
+    block = make_block()
+
+    def f(q, kv_c, k_pe):
+        out = block.attn(q, kv_c, k_pe)
+        result = torch.empty(out.shape, dtype=torch.float8_e4m3fn)
+        torch.ops.fusion_pass.static_scaled_fp8_quant(result, out, torch.tensor(0.05))
+        return result.float()
+
+    fp = FusionPass()
+    compile_and_run(f, block, fp)
+    assert fp.report()["rewritten"] == 0
+    assert fp.report()["refused"] == {"quant_is_another_format": 1}
+
+
+# ---------------------------------------------------------------- construction, uuid, enable()
+
+
+def test_empty_pattern_set_is_rejected():
+    with pytest.raises(ValueError, match="at least one pattern"):
+        FusionPass(patterns=())
+
+
+def test_uuid_changes_with_the_pattern_set_and_is_stable():
+    default, again = FusionPass().uuid(), FusionPass().uuid()
+    mla_only = FusionPass(patterns=(PATTERNS[0],)).uuid()
+    assert isinstance(default, str) and isinstance(mla_only, str)
+    assert default == again
+    assert mla_only == FusionPass(patterns=(PATTERNS[0],)).uuid()
+    assert mla_only != default
+    assert FusionPass(patterns=(PATTERNS[1],)).uuid() not in (default, mla_only)
+
+
+def test_enable_as_a_function_installs_and_disable_restores(make_block):
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        _enable_disable(make_block)
+        assert inductor_config.post_grad_custom_post_pass is None
+
+
+def _enable_disable(make_block):
+    handle = fusion_pass.enable()
+    try:
+        assert isinstance(handle.fusion, FusionPass)
+        assert inductor_config.post_grad_custom_post_pass is handle.fusion
+        block = make_block()
+
+        def f(q, kv_c, k_pe):
+            return block.o_proj(block.attn(q, kv_c, k_pe))
+
+        run_compiled(torch.compile(f), PREFILL, *block.inputs(PREFILL))
+        assert handle.report()["rewritten"] == 1
+        assert handle.report()["runtime"]["fused"] == 1
+    finally:
+        handle.disable()
+
+
+def test_enable_as_a_context_manager_restores_the_previous_pass():
+    previous = FusionPass(patterns=(PATTERNS[1],))
+    with inductor_config.patch(post_grad_custom_post_pass=previous):
+        with fusion_pass.enable() as fp:
+            assert isinstance(fp, FusionPass) and fp is not previous
+            installed = inductor_config.post_grad_custom_post_pass
+            assert installed is not previous and isinstance(installed.uuid(), str)
+        assert inductor_config.post_grad_custom_post_pass is previous
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        with fusion_pass.enable() as fp:
+            assert inductor_config.post_grad_custom_post_pass is fp  # nothing before: installed as is
+        assert inductor_config.post_grad_custom_post_pass is None
+
+
+# ---------------------------------------------------------------- report and log line
+
+
+def test_report_totals_are_sums_over_graphs_and_each_graph_is_logged(make_block, caplog):
+    fp = FusionPass()
+    caplog.set_level(logging.INFO, logger="fusion_pass")
+
+    fused_block, refused_block = make_block(), make_block()
+
+    def fused(q, kv_c, k_pe):
+        return fused_block.o_proj(fused_block.attn(q, kv_c, k_pe))
+
+    def refused(q, kv_c, k_pe):
+        out = refused_block.attn(q, kv_c, k_pe)
+        return refused_block.o_proj(out), out.sum()
+
+    compile_and_run(fused, fused_block, fp)
+    compile_and_run(refused, refused_block, fp)
+
+    report = fp.report()
+    assert report["graphs"] == len(fp.graphs) == 2
+    assert report["candidates"] == sum(g.candidates for g in fp.graphs) == 2
+    assert report["rewritten"] == sum(g.rewritten for g in fp.graphs) == 1
+    assert report["refused"] == {"bf16_output_has_other_users": 1}
+    assert report["seconds"] == pytest.approx(sum(g.seconds for g in fp.graphs))
+    assert [g["graph"] for g in report["per_graph"]] == [0, 1]
+    assert report["runtime"] == guard.counters()
+    lines = [r.getMessage() for r in caplog.records if r.name == "fusion_pass"]
+    assert any(re.match(r"fusion_pass: graph 0: 1 candidates, 1 rewritten, refused: none", m) for m in lines), lines
+    assert any(re.match(r"fusion_pass: graph 1: 1 candidates, 0 rewritten, refused: bf16_output_has_other_users=1",
+                        m) for m in lines), lines
+
+
+# ---------------------------------------------------------------- dumps
+
+
+def code_lines(source: str) -> str:
+    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
+
+
+def _compile_tiny_mla(prefix: str, fusion: FusionPass):
+    model = demo.build_model("mla", tiny=True, layers=1, prefix=prefix)
+    spec = BatchSpec.from_lens([5, 3])
+    positions, hidden = demo.make_inputs(spec, 256, "cpu", seed=0)
+    torch._dynamo.mark_dynamic(positions, 0)
+    torch._dynamo.mark_dynamic(hidden, 0)
+    try:
+        run_compiled(torch.compile(model, options={"post_grad_custom_post_pass": fusion}), spec, positions, hidden)
+    finally:
+        models.release_layers(model)
+    return model
+
+
+def test_dump_writes_before_after_report_and_depyf(tmp_path):
+    prefix = unique("dump")
+    with fusion_pass.debug.dump(tmp_path) as path:
+        assert fusion_pass.debug.active() and path == tmp_path
+        _compile_tiny_mla(prefix, FusionPass())
+    assert not fusion_pass.debug.active()
+    befores = sorted(tmp_path.glob("graph_*_before.py"))
+    assert len(befores) == 1, befores
+    stem = str(befores[0])[: -len("_before.py")]
+    before = Path(f"{stem}_before.py").read_text()
+    after = Path(f"{stem}_after.py").read_text()
+    report = json.loads(Path(f"{stem}_report.json").read_text())
+    # the dumps are verbose (provenance comments name the model's functions): look at the code lines
+    assert "torch.ops.fusion_pass.scaled_fp4_quant.out" in code_lines(before)
+    assert "scaled_fp4_quant" not in code_lines(after)
+    assert "output_block_scale" in code_lines(after)
+    assert report["rewritten"] == 1
+    assert [e["layer"] for e in report["layers"]] == [f"{prefix}.layers.0.self_attn.attn"]
+    depyf_dir = tmp_path / "depyf"
+    assert depyf_dir.is_dir() and any(depyf_dir.iterdir())
+
+
+def test_each_dump_directory_numbers_graphs_from_zero(tmp_path):
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder("x"))
+    for sub in ("first", "second"):
+        with fusion_pass.debug.dump(tmp_path / sub):
+            FusionPass()(graph)
+    assert (tmp_path / "second" / "graph_000_before.py").exists()
+
+
+def test_dump_from_environment_variable(tmp_path):
+    out = tmp_path / "env_dump"
+    code = (
+        "import torch, fusion_pass\n"
+        "from fusion_pass import demo, runtime\n"
+        "torch._inductor.config.fx_graph_cache = False\n"
+        "assert fusion_pass.debug.active()\n"
+        "model = demo.build_model('mla', tiny=True, layers=1, prefix='env_dump')\n"
+        "spec = runtime.BatchSpec.from_lens([5, 3])\n"
+        "pos, hid = demo.make_inputs(spec, 256, 'cpu', seed=0)\n"
+        "fp = fusion_pass.FusionPass()\n"
+        "with runtime.batch(spec), torch.no_grad():\n"
+        "    torch.compile(model, options={'post_grad_custom_post_pass': fp})(pos, hid)\n"
+        "assert fp.report()['rewritten'] == 1, fp.report()\n"
+    )
+    env = {**os.environ, "FUSION_PASS_DUMP": str(out)}
+    env.pop(backends.BACKEND_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (out / "graph_000_before.py").exists() and (out / "graph_000_after.py").exists()
+    assert "torch.ops.fusion_pass.scaled_fp4_quant.out" in code_lines((out / "graph_000_before.py").read_text())
+    assert "scaled_fp4_quant" not in code_lines((out / "graph_000_after.py").read_text())
+    report = json.loads((out / "graph_000_report.json").read_text())
+    assert report["layers"][0]["layer"] == "env_dump.layers.0.self_attn.attn"
+    assert (out / "depyf").is_dir() and any((out / "depyf").iterdir())
