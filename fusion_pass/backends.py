@@ -180,14 +180,7 @@ def prefill_qkv(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Te
         k, v = impl._expand(latent, w_uk, w_uv)  # float32
         return q, k.to(q.dtype), v.to(q.dtype)
     q, k, v = inputs
-    t = spec.num_tokens
-    for name, x, shape in (
-        ("q", q, (t, impl.num_heads, impl.head_dim)),
-        ("k", k, (t, impl.num_kv_heads, impl.head_dim)),
-        ("v", v, (t, impl.num_kv_heads, impl.v_head_dim)),
-    ):
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
+    impl._check_inputs(q, k, v, spec)
     impl._cache.check(spec)
     for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
         impl._cache.extend(req, (k[start:end], v[start:end]))

@@ -75,14 +75,8 @@ class AttentionImpl:
         Returns:
             float32 ``[T, H, Dv]``.
         """
+        self._check_inputs(q, k, v, spec)
         t = spec.num_tokens
-        for name, x, shape in (
-            ("q", q, (t, self.num_heads, self.head_dim)),
-            ("k", k, (t, self.num_kv_heads, self.head_dim)),
-            ("v", v, (t, self.num_kv_heads, self.v_head_dim)),
-        ):
-            if tuple(x.shape) != shape:
-                raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
         self._cache.check(spec)  # before any entry changes
         out = torch.empty(t, self.num_heads, self.v_head_dim, dtype=torch.float32, device=q.device)
         locs = spec.query_start_loc()
@@ -94,3 +88,14 @@ class AttentionImpl:
         return out
 
     __call__ = forward
+
+    def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec) -> None:
+        """q/k/v shapes against the layer config and ``spec.num_tokens`` (ValueError naming the argument)."""
+        t = spec.num_tokens
+        for name, x, shape in (
+            ("q", q, (t, self.num_heads, self.head_dim)),
+            ("k", k, (t, self.num_kv_heads, self.head_dim)),
+            ("v", v, (t, self.num_kv_heads, self.v_head_dim)),
+        ):
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
