@@ -20,8 +20,8 @@ Three backends, in preference order:
 ``triton``
     The project's Triton flash-attention with an NVFP4 epilogue, called through
     ``fusion_pass.kernels.<TRITON_ENTRY_POINT>`` (contract in
-    :class:`TritonBackend`). ``fusion_pass.kernels`` is not part of this build
-    yet, so it reports itself unavailable.
+    :class:`TritonBackend`). Needs triton and a CUDA device (Hopper has no FP4
+    instructions: the epilogue rounds and packs with ordinary ones).
 ``reference``
     PyTorch on any device: the layer's runtime attention in float32, quantized
     straight from float32 by :func:`fusion_pass.nvfp4.quantize`. Slow, always
@@ -75,6 +75,7 @@ __all__ = [
     "fa4_call_kwargs",
     "triton_availability",
     "prefill_qkv",
+    "varlen_meta",
 ]
 
 BACKEND_ENV = "FUSION_PASS_BACKEND"
@@ -187,7 +188,7 @@ def prefill_qkv(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Te
     return q, k, v
 
 
-def _varlen_meta(spec: Any, device: torch.device) -> tuple[Tensor, int]:
+def varlen_meta(spec: Any, device: torch.device) -> tuple[Tensor, int]:
     """``cu_seqlens`` int32 ``[B + 1]`` on ``device`` and the longest query length."""
     cu_seqlens = torch.tensor(spec.query_start_loc(), dtype=torch.int32, device=device)
     return cu_seqlens, max(r.query_len for r in spec.requests)
@@ -371,7 +372,7 @@ class FA4Backend:
                 raise RuntimeError(f"fa4 backend: {error}")
             func = module.flash_attn_varlen_func
         q, k, v = prefill_qkv(impl, inputs, spec)
-        cu_seqlens, max_seqlen = _varlen_meta(spec, q.device)
+        cu_seqlens, max_seqlen = varlen_meta(spec, q.device)
         output_block_scale.view(torch.uint8).zero_()
         func(
             **fa4_call_kwargs(
@@ -439,9 +440,8 @@ class TritonBackend:
     cu_seqlens, max_seqlen, softmax_scale, causal, output, output_scale,
     output_block_scale)`` with ``q``/``k``/``v`` from :func:`prefill_qkv`,
     ``output`` uint8 ``[T, H*Dv/2]`` and ``output_block_scale`` the swizzled
-    scale buffer (zeroed before the call). ``fusion_pass.kernels`` is added by a
-    later change; until then this backend reports itself unavailable and
-    :meth:`run` is never reached.
+    scale buffer (the kernel writes every entry of rows ``< T``; the launcher
+    zeroes the padding).
     """
 
     name = "triton"
@@ -460,8 +460,7 @@ class TritonBackend:
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
         kernels = importlib.import_module("fusion_pass.kernels")
         q, k, v = prefill_qkv(impl, inputs, spec)
-        cu_seqlens, max_seqlen = _varlen_meta(spec, q.device)
-        output_block_scale.view(torch.uint8).zero_()
+        cu_seqlens, max_seqlen = varlen_meta(spec, q.device)
         getattr(kernels, TRITON_ENTRY_POINT)(
             q,
             k,

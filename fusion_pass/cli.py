@@ -15,7 +15,9 @@ commands:
             with and without the fusion pass; print per batch whether the fused
             kernel ran (or the fallback, and why), how far the fused NVFP4
             output is from the unfused one against its bound, byte equality on
-            fallback batches, then the pass's report.
+            fallback batches, then the pass's report; with --time (the
+            default with --device cuda) also the time of the compiled stack
+            without vs with the pass on the prefill batches, and the speedup.
   dump      the same run with graph dumps on: per compiled graph the post-grad
             graph before/after the pass, the match report, and depyf's dump.
   backends  list the fused-attention backends and why each is (un)available.
@@ -38,6 +40,16 @@ def _positive(value: str) -> int:
     return number
 
 
+def _non_negative(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {number}")
+    return number
+
+
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=("mla", "gqa", "all"), default="all", help="which demo model (default: all)")
     parser.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: cpu)")
@@ -52,12 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
-        help="run the demo workload with and without the pass and print a table",
+        help="run the demo workload with and without the pass; print a table (and, with --time, the prefill speedup)",
         description="Run the demo workload through the demo models (DeepSeek-V3 attention dimensions at "
         "TP=8, and a Llama-3-8B-style GQA stack), compiled with and without the fusion pass.",
     )
     _add_run_arguments(demo)
     demo.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    demo.add_argument(
+        "--time", action=argparse.BooleanOptionalAction, default=None,
+        help="time the whole compiled attention stack without vs with the pass on each prefill batch and print "
+        "the speedup (CUDA events on cuda, time.perf_counter on cpu); default: on with --device cuda, off on cpu",
+    )
+    demo.add_argument("--repeats", type=_positive, default=20, metavar="N",
+                      help="with --time: timed calls per variant and batch, the median is shown (default: 20)")
+    demo.add_argument("--warmup", type=_non_negative, default=3, metavar="N",
+                      help="with --time: untimed calls first, per variant and batch (default: 3)")
     dump = commands.add_parser(
         "dump",
         help="run the demo with graph dumps written to a directory",
@@ -80,14 +101,23 @@ def _run_demo(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     models = demo.MODELS if args.model == "all" else (args.model,)
-    results, fusion = demo.run_demo(models, tiny=args.tiny, device=args.device, layers=args.layers)
-    report = fusion.report()
-    print(demo.format_table(results))
+    # --time exists on `demo` only; None there means the device's default
+    timing = getattr(args, "time", False)
+    if timing is None:
+        timing = args.device == "cuda"
+    warmup, repeats = getattr(args, "warmup", 3), getattr(args, "repeats", 20)
+    run = demo.run_demo(models, tiny=args.tiny, device=args.device, layers=args.layers,
+                        timing=timing, warmup=warmup, repeats=repeats)
+    print(demo.format_table(run.results))
     print()
-    print(demo.format_report(report))
+    print(demo.format_report(run.report))
+    if timing:
+        print()
+        print(demo.format_timing(run.timings, device=args.device, layers=args.layers, warmup=warmup,
+                                 repeats=repeats))
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
-            json.dump(demo.results_json(results, report), f, indent=2)
+            json.dump(demo.results_json(run.results, run.report, run.timings), f, indent=2)
         print(f"wrote {args.json}")
     return 0
 

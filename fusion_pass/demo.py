@@ -9,11 +9,17 @@ previous ones):
 3. ``mixed``: two decodes and a new prompt in one batch;
 4. ``prefill``: the first chunk of a long prompt;
 5. ``chunked``: its second chunk, attending to the first from the cache.
+
+:func:`run_demo` checks the pass batch by batch (:func:`run_lockstep`);
+with ``timing=True`` it then times the compiled stack with and without the
+pass on the prefill batches (:func:`time_prefill`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -159,38 +165,158 @@ def compare_nvfp4(with_pass, unfused, global_scales) -> tuple[bool, float, float
     return equal, max_err, max_bound, within
 
 
-def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: int = 2):
+TIMED_VARIANTS = ("unfused", "fused")
+"""The variants :func:`time_prefill` times (the compiled stack without and with the pass)."""
+
+
+@torch.no_grad()
+def time_prefill(
+    variants: dict, steps: list[BatchSpec], hidden_size: int, device: str, *, warmup: int = 3, repeats: int = 20,
+    model: str | None = None,
+) -> list[dict]:
+    """Time the ``"unfused"`` and ``"fused"`` variants on every prefill step of ``steps``.
+
+    The steps are replayed in order from empty caches, as :func:`run_lockstep`
+    does (each step is run once by the last variant of ``variants``, with the
+    lockstep's inputs), so every step starts from the caches the previous ones
+    left. On a step whose ``kind`` is ``"prefill"``, each timed variant is
+    first called ``warmup`` times, then ``repeats`` times; before every call the
+    KV caches are restored to the step's start snapshot (outside the timed
+    region), and every call gets its own seeded inputs, generated before any
+    timing. A call is timed with CUDA events around it on a CUDA device, with
+    ``time.perf_counter`` otherwise; the median is kept. Other variants (the
+    eager model) are not timed.
+
+    The timed calls go through the run-time guard, so they count in
+    :func:`fusion_pass.guard.counters`. Returns, per prefill step in order,
+    ``{"model", "step", "tokens", "unfused_ms", "fused_ms", "speedup"}`` with
+    ``speedup = unfused_ms / fused_ms`` and ``model`` the name given (a label).
+    """
+    missing = [name for name in TIMED_VARIANTS if name not in variants]
+    if missing:
+        raise ValueError(f"time_prefill: variants must include {TIMED_VARIANTS}, missing {missing}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"time_prefill: repeats must be an int >= 1, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"time_prefill: warmup must be an int >= 0, got {warmup!r}")
+    advance = list(variants.values())[-1]
+    timings = []
+    runtime.clear_kv_caches()
+    try:
+        for i, spec in enumerate(steps):
+            start = runtime.snapshot_kv_caches()
+            if spec.kind == "prefill":
+                inputs = [_timing_inputs(spec, hidden_size, device, seed=100_000 * (i + 1) + n)
+                          for n in range(warmup + repeats)]
+                ms = {name: _median_call_ms(variants[name], spec, inputs, warmup, start, device)
+                      for name in TIMED_VARIANTS}
+                timings.append({"model": model, "step": i, "tokens": spec.num_tokens,
+                                "unfused_ms": ms["unfused"], "fused_ms": ms["fused"],
+                                "speedup": ms["unfused"] / ms["fused"]})
+                runtime.restore_kv_caches(start)
+            run_step(advance, spec, i, hidden_size, device)  # the caches the next step starts from
+    finally:
+        runtime.clear_kv_caches()
+    return timings
+
+
+def _timing_inputs(spec: BatchSpec, hidden_size: int, device: str, seed: int):
+    positions, hidden = make_inputs(spec, hidden_size, device, seed=seed)
+    torch._dynamo.mark_dynamic(positions, 0)
+    torch._dynamo.mark_dynamic(hidden, 0)
+    return positions, hidden
+
+
+def _median_call_ms(model, spec: BatchSpec, inputs: list, warmup: int, start: dict, device: str) -> float:
+    """Median milliseconds of ``model(*inputs[n])`` for ``n >= warmup``, each call from the ``start`` caches."""
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    with runtime.batch(spec):
+        for n, (positions, hidden) in enumerate(inputs):
+            runtime.restore_kv_caches(start)
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                begin.record()
+                model(positions, hidden)
+                end.record()
+                torch.cuda.synchronize()
+                elapsed = begin.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                model(positions, hidden)
+                elapsed = (time.perf_counter() - t0) * 1e3
+            if n >= warmup:
+                times.append(elapsed)
+    return statistics.median(times)
+
+
+@dataclass
+class DemoRun:
+    """What :func:`run_demo` returns.
+
+    Unpacks as ``results, fusion = run_demo(...)`` (its return value before
+    timings existed). ``report`` is ``fusion.report()`` taken after the
+    correctness runs and before any timed call (the timed calls also go
+    through the guard, and would add to its run-time counters); ``timings`` is
+    :func:`time_prefill`'s list over the models, in order (empty unless
+    ``timing=True``).
+    """
+
+    results: list[BatchResult]
+    fusion: FusionPass
+    report: dict
+    timings: list[dict] = field(default_factory=list)
+
+    def __iter__(self):
+        return iter((self.results, self.fusion))
+
+
+def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: int = 2,
+             timing: bool = False, warmup: int = 3, repeats: int = 20) -> DemoRun:
     """Per model, the workload eagerly, compiled without the pass and compiled with it.
 
-    Returns ``(results, fusion_pass)``.
+    With ``timing``, once every model's correctness run is done, each
+    model's two compiled variants are timed on the prefill batches
+    (:func:`time_prefill` with ``warmup`` and ``repeats``). Returns a
+    :class:`DemoRun`, which unpacks as ``(results, fusion_pass)``.
     """
     results = []
     steps = workload()
     fusion = FusionPass()
-    for name in models:
-        model = build_model(name, tiny=tiny, device=device, layers=layers)
-        hidden_size = model.norms[0].normalized_shape[0]
-        global_scales = [layer.o_proj.input_global_scale for layer in model.layers]
-        # Fresh compiles (no FX graph cache): a cache hit reuses the rewritten graph
-        # without running the pass, and the report would miss it.
-        variants = {
-            "eager": model,
-            "unfused": torch.compile(model, options={"fx_graph_cache": False}),
-            "fused": torch.compile(model, options={"post_grad_custom_post_pass": fusion, "fx_graph_cache": False}),
-        }
-        try:
+    built = []  # (name, model, variants, hidden_size): kept for the timing pass
+    try:
+        for name in models:
+            model = build_model(name, tiny=tiny, device=device, layers=layers)
+            hidden_size = model.norms[0].normalized_shape[0]
+            global_scales = [layer.o_proj.input_global_scale for layer in model.layers]
+            # Fresh compiles (no FX graph cache): a cache hit reuses the rewritten graph
+            # without running the pass, and the report would miss it.
+            variants = {
+                "eager": model,
+                "unfused": torch.compile(model, options={"fx_graph_cache": False}),
+                "fused": torch.compile(model, options={"post_grad_custom_post_pass": fusion,
+                                                       "fx_graph_cache": False}),
+            }
+            built.append((name, model, variants, hidden_size))
             per_step = run_lockstep(variants, steps, hidden_size, device)
-        finally:
+            for i, (spec, out) in enumerate(zip(steps, per_step)):
+                equal, err, bound, within = compare_nvfp4(
+                    out["fused"].o_proj_inputs, out["unfused"].o_proj_inputs, global_scales)
+                reasons = sorted(out["fused"].decisions["fallback"])
+                path = "fallback" if reasons else ("fused" if out["fused"].decisions["fused"] else "unfused")
+                diff = (out["unfused"].output.float() - out["eager"].output.float()).abs().max().item()
+                results.append(BatchResult(name, i, spec.kind, spec.num_tokens, path, ",".join(reasons) or None,
+                                           equal, err, bound, within, diff))
+        run = DemoRun(results, fusion, fusion.report())
+        if timing:
+            for name, _, variants, hidden_size in built:
+                run.timings += time_prefill(variants, steps, hidden_size, device,
+                                            warmup=warmup, repeats=repeats, model=name)
+    finally:
+        for _, model, _, _ in built:
             release_layers(model)
-        for i, (spec, out) in enumerate(zip(steps, per_step)):
-            equal, err, bound, within = compare_nvfp4(
-                out["fused"].o_proj_inputs, out["unfused"].o_proj_inputs, global_scales)
-            reasons = sorted(out["fused"].decisions["fallback"])
-            path = "fallback" if reasons else ("fused" if out["fused"].decisions["fused"] else "unfused")
-            diff = (out["unfused"].output.float() - out["eager"].output.float()).abs().max().item()
-            results.append(BatchResult(name, i, spec.kind, spec.num_tokens, path, ",".join(reasons) or None,
-                                       equal, err, bound, within, diff))
-    return results, fusion
+    return run
 
 
 def format_table(results: list[BatchResult]) -> str:
@@ -214,11 +340,32 @@ def format_report(report: dict) -> str:
             f"run time: {runtime_counts['fused']} fused calls, fallback calls: {fallback}")
 
 
-def results_json(results: list[BatchResult], report: dict) -> dict:
+def format_timing(timings: list[dict], *, device: str, layers: int, warmup: int, repeats: int) -> str:
+    """The timing table of :func:`time_prefill`'s entries, then a note on what was timed and how."""
+    header = f"{'model':<5} {'step':>4} {'tokens':>6}  {'unfused ms':>10} {'fused ms':>10} {'speedup':>8}"
+    rows = [
+        f"{t['model'] or '-':<5} {t['step']:>4} {t['tokens']:>6}  {t['unfused_ms']:>10.3f} {t['fused_ms']:>10.3f} "
+        f"{t['speedup']:>7.2f}x"
+        for t in timings
+    ]
+    cuda = torch.device(device).type == "cuda"
+    gemm = ("a dequantize + bf16 matmul emulation, since Hopper has no FP4 GEMM" if cuda
+            else "a dequantize + float32 matmul emulation on the CPU")
+    clock = "CUDA events around each call" if cuda else "time.perf_counter around each call"
+    note = (f"timed: the whole compiled attention stack, without vs with the pass, on the prefill batches "
+            f"({layers} layer{'s' if layers != 1 else ''}, each: norm, projections, attention, NVFP4 quant, "
+            f"o_proj GEMM, the latter {gemm}); median of {repeats} repeats after {warmup} warm-up calls, "
+            f"{clock}, fresh inputs per call, KV caches restored outside the timed region.")
+    return "\n".join([header, "-" * len(header), *rows, note])
+
+
+def results_json(results: list[BatchResult], report: dict, timings: list[dict] | None = None) -> dict:
+    """The demo as JSON: the report's totals, ``batches`` and ``timing`` (empty when not timed)."""
     return {
         "layers": report["candidates"],
         "rewritten": report["rewritten"],
         "refused": report["refused"],
         "runtime": report["runtime"],
         "batches": [asdict(r) for r in results],
+        "timing": list(timings or []),
     }

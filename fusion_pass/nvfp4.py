@@ -37,6 +37,7 @@ __all__ = [
     "swizzle_scales",
     "unswizzle_scales",
     "quantize",
+    "quantize_reference",
     "dequantize",
     "unpack_codes",
     "codes_to_values",
@@ -212,7 +213,7 @@ def _is_concrete(t: torch.Tensor) -> bool:
     return not (is_fake(t) or t.device.type == "meta")
 
 
-def _check_global_scale(fn: str, global_scale, device: torch.device) -> None:
+def _check_global_scale(fn: str, global_scale, device: torch.device, *, check_value: bool = True) -> None:
     if not isinstance(global_scale, torch.Tensor) or global_scale.dtype != torch.float32:
         got = global_scale.dtype if isinstance(global_scale, torch.Tensor) else type(global_scale)
         raise TypeError(f"{fn}: global_scale must be a float32 tensor (got {got})")
@@ -226,13 +227,13 @@ def _check_global_scale(fn: str, global_scale, device: torch.device) -> None:
             f"{fn}: global_scale must be on the same device as the data "
             f"(got {global_scale.device}, expected {device})"
         )
-    if _is_concrete(global_scale):
+    if check_value and _is_concrete(global_scale):
         value = global_scale.item()
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{fn}: global_scale must be positive and finite (got {value})")
 
 
-def _check_x(fn: str, x: torch.Tensor, global_scale: torch.Tensor) -> None:
+def _check_x(fn: str, x: torch.Tensor, global_scale: torch.Tensor, *, check_value: bool = True) -> None:
     if x.dtype not in _X_DTYPES:
         raise TypeError(f"{fn}: x must be float16, bfloat16 or float32 (got {x.dtype})")
     if x.dim() == 0:
@@ -242,7 +243,7 @@ def _check_x(fn: str, x: torch.Tensor, global_scale: torch.Tensor) -> None:
             f"{fn}: x must have a last dimension divisible by {BLOCK_SIZE} "
             f"(got shape {list(x.shape)})"
         )
-    _check_global_scale(fn, global_scale, x.device)
+    _check_global_scale(fn, global_scale, x.device, check_value=check_value)
 
 
 def _const(like: torch.Tensor, value: float) -> torch.Tensor:
@@ -267,10 +268,45 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------
 
 
+def _triton_importable() -> bool:
+    global _TRITON_IMPORTABLE
+    if _TRITON_IMPORTABLE is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON_IMPORTABLE = True
+        except Exception:
+            _TRITON_IMPORTABLE = False
+    return _TRITON_IMPORTABLE
+
+
+_TRITON_IMPORTABLE: bool | None = None
+
+
 def quantize(
     x: torch.Tensor, global_scale: torch.Tensor, *, swizzled: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` to NVFP4.
+    """Quantize ``x`` to NVFP4: the Triton kernel on CUDA, the reference elsewhere.
+
+    Arguments and result as :func:`quantize_reference`, whose bytes the Triton
+    kernel (:mod:`fusion_pass.kernels.nvfp4_quant`) reproduces. The kernel runs
+    for concrete CUDA tensors when Triton is installed; CPU, meta and fake
+    tensors, and tracing under torch.compile, use the reference. On the CUDA
+    path the global scale's value is not read back (no synchronization).
+    """
+    if x.is_cuda and _is_concrete(x) and _triton_importable():
+        from fusion_pass.kernels.nvfp4_quant import quantize as triton_quantize
+
+        _check_x("quantize", x, global_scale, check_value=False)
+        x2d = x.reshape(-1, x.shape[-1])
+        return triton_quantize(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), global_scale, swizzled=swizzled)
+    return quantize_reference(x, global_scale, swizzled=swizzled)
+
+
+def quantize_reference(
+    x: torch.Tensor, global_scale: torch.Tensor, *, swizzled: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to NVFP4 in plain PyTorch (any device): the project's oracle.
 
     Args:
         x: float16 / bfloat16 / float32 ``[..., K]`` with ``K % 16 == 0``; the

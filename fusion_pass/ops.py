@@ -106,6 +106,14 @@ def _scaled_fp4_quant_out(
     input: Tensor, input_scale: Tensor, is_sf_swizzled_layout: bool, *, output: Tensor, output_scale: Tensor
 ) -> None:
     _check_quant_buffers(input, is_sf_swizzled_layout, output, output_scale)
+    if input.is_cuda and nvfp4._triton_importable() and output.is_contiguous() and output_scale.is_contiguous():
+        from fusion_pass.kernels.nvfp4_quant import quantize as triton_quantize
+
+        nvfp4._check_x("scaled_fp4_quant", input, input_scale, check_value=False)
+        x2d = input.reshape(-1, input.shape[-1])
+        triton_quantize(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), input_scale,
+                        swizzled=is_sf_swizzled_layout, packed=output, scales=output_scale)
+        return
     packed, scales = nvfp4.quantize(input, input_scale, swizzled=is_sf_swizzled_layout)
     output.view(packed.shape).copy_(packed)
     output_scale.view(torch.uint8).view(scales.shape).copy_(scales.view(torch.uint8))
@@ -315,10 +323,37 @@ def _qk_head_dim(impl) -> int:
     return impl.head_dim
 
 
+def _half_prefill_available(q: Tensor, spec) -> bool:
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and spec.num_decode_tokens == 0
+        and not spec.has_chunked_prefill
+        and backends.get_backend("triton").available()[0]
+    )
+
+
+def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
+    """The batch's attention ``[T, H, Dv]``, appending the new tokens to the layer's cache.
+
+    Pure-prefill batches on CUDA run the Triton flash-attention kernel (output in
+    the query dtype, as a serving attention backend returns it); everything else
+    runs the layer's PyTorch runtime (float32).
+    """
+    if _half_prefill_available(q, spec):
+        from fusion_pass.kernels.flash_attention import flash_attention
+
+        q, k, v = backends.prefill_qkv(impl, inputs, spec)
+        cu_seqlens, max_seqlen = backends.varlen_meta(spec, q.device)
+        return flash_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=impl.softmax_scale)
+    return impl.forward(*inputs, spec)
+
+
 def _run_attention(op: str, q: Tensor, inputs: tuple, output, layer_name, output_scale, output_block_scale) -> None:
     """Shared body of the attention ops: one attention computation per call.
 
-    Without ``output_scale``: attention in the query dtype, not guarded. With
+    Without ``output_scale``: attention in the query dtype, not guarded
+    (:func:`_attention`: the Triton kernel on CUDA prefill batches). With
     it: the NVFP4 buffers are validated, :func:`fusion_pass.guard.decide`
     picks the path and :func:`fusion_pass.guard.record` counts it; ``fused``
     runs the selected backend (attention quantized from float32), ``fallback``
@@ -328,7 +363,7 @@ def _run_attention(op: str, q: Tensor, inputs: tuple, output, layer_name, output
     impl = runtime.get_layer(layer_name)
     spec = runtime.current_batch()
     if output_scale is None:
-        out = impl.forward(*inputs, spec)
+        out = _attention(impl, inputs, spec, q)
         _write_attention_output(op, out, q.dtype, output, output_scale, output_block_scale)
         return
     _check_nvfp4_buffers(
@@ -346,7 +381,7 @@ def _run_attention(op: str, q: Tensor, inputs: tuple, output, layer_name, output
     if decision.path == "fused":
         backends.get_backend(decision.backend).run(impl, inputs, spec, output, output_scale, output_block_scale)
         return
-    out = impl.forward(*inputs, spec)
+    out = _attention(impl, inputs, spec, q)
     _write_attention_output(op, out, q.dtype, output, output_scale, output_block_scale)
 
 

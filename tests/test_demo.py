@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fusion_pass import cli, demo, runtime
+from fusion_pass import FusionPass, cli, demo, runtime
 
 
 def test_workload_covers_every_batch_kind_in_server_order():
@@ -36,6 +36,38 @@ def test_demo_fuses_prefill_and_falls_back_byte_exact_elsewhere():
     assert "mla.layers.0.self_attn.attn" not in runtime.registered_layers()
 
 
+def test_time_prefill_times_each_prefill_step_from_its_caches():
+    from fusion_pass import guard
+    from fusion_pass.models import release_layers
+
+    model = demo.build_model("gqa", tiny=True, layers=1)
+    hidden_size = model.norms[0].normalized_shape[0]
+    variants = {
+        "unfused": torch.compile(model, options={"fx_graph_cache": False}),
+        "fused": torch.compile(model, options={"post_grad_custom_post_pass": FusionPass(),
+                                               "fx_graph_cache": False}),
+    }
+    steps = demo.workload()
+    before = guard.counters()
+    try:
+        timings = demo.time_prefill(variants, steps, hidden_size, "cpu", warmup=1, repeats=2, model="gqa")
+    finally:
+        release_layers(model)
+    prefill = [i for i, s in enumerate(steps) if s.kind == "prefill"]
+    assert [t["step"] for t in timings] == prefill == [0, 3]
+    for t in timings:
+        assert set(t) == {"model", "step", "tokens", "unfused_ms", "fused_ms", "speedup"}
+        assert t["model"] == "gqa" and t["tokens"] == steps[t["step"]].num_tokens
+        assert t["unfused_ms"] > 0 and t["fused_ms"] > 0
+        assert t["speedup"] == t["unfused_ms"] / t["fused_ms"]
+    # every fused call took the fused path: per prefill step 1 warm-up + 2 timed calls,
+    # plus the call that advances the caches (the last variant, "fused")
+    after = guard.counters()
+    assert after["fused"] - before["fused"] == len(prefill) * (1 + 2 + 1)
+    with pytest.raises(ValueError, match="missing"):
+        demo.time_prefill({"fused": variants["fused"]}, steps, hidden_size, "cpu")
+
+
 def test_requantization_bound_holds_for_float32_vs_bf16_quantization():
     from fusion_pass import nvfp4
 
@@ -55,7 +87,9 @@ def test_cli_demo_writes_json(tmp_path, capsys):
     assert cli.main(["demo", "--tiny", "--model", "gqa", "--layers", "1", "--json", str(path)]) == 0
     printed = capsys.readouterr().out
     assert "chunked_prefill" in printed and "1 rewritten" in printed
+    assert "speedup" not in printed  # timing is off by default on the CPU
     data = json.loads(path.read_text())
+    assert data["timing"] == []
     assert data["layers"] == 1 and data["rewritten"] == 1 and data["refused"] == {}
     batches = data["batches"]
     assert [b["kind"] for b in batches] == ["prefill", "decode", "mixed", "prefill", "chunked"]
@@ -64,6 +98,44 @@ def test_cli_demo_writes_json(tmp_path, capsys):
     assert [b["tokens"] for b in batches] == [s.num_tokens for s in demo.workload()]
     for b in batches:
         assert set(b) >= {"kind", "model", "path", "reason", "bytes_equal_unfused", "max_abs_err", "err_bound"}
+
+
+def test_cli_demo_time_prints_the_timing_table(tmp_path, capsys):
+    from fusion_pass import guard
+
+    path = tmp_path / "demo.json"
+    guard.reset_counters()
+    args = ["demo", "--tiny", "--model", "gqa", "--layers", "1", "--repeats", "2", "--warmup", "1"]
+    assert cli.main([*args, "--time", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "unfused ms" in printed and "fused ms" in printed and "speedup" in printed
+    assert "median of 2 repeats after 1 warm-up calls" in printed and "whole compiled attention stack" in printed
+    data = json.loads(path.read_text())
+    assert [(t["model"], t["step"]) for t in data["timing"]] == [("gqa", 0), ("gqa", 3)]
+    assert all(t["unfused_ms"] > 0 and t["fused_ms"] > 0 for t in data["timing"])
+    # the report is the correctness run's: the timed calls are not in its counters
+    assert data["runtime"]["fused"] == 2 and "run time: 2 fused calls" in printed
+    assert cli.main([*args, "--no-time"]) == 0
+    printed = capsys.readouterr().out
+    assert "speedup" not in printed and "1 rewritten" in printed
+
+
+def test_cli_demo_times_by_default_on_cuda_only(monkeypatch, capsys):
+    calls = []
+
+    def fake_run_demo(models, **kwargs):
+        calls.append(kwargs)
+        report = {"graphs": 0, "candidates": 0, "rewritten": 0, "refused": {}, "seconds": 0.0,
+                  "runtime": {"fused": 0, "fallback": {}}}
+        return demo.DemoRun([], FusionPass(), report)
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for argv in (["--device", "cuda"], ["--device", "cuda", "--no-time"], [], ["--time", "--repeats", "5"]):
+        assert cli.main(["demo", *argv]) == 0
+    assert [c["timing"] for c in calls] == [True, False, False, True]
+    assert calls[-1]["repeats"] == 5 and calls[-1]["warmup"] == 3
+    assert "CUDA events" in capsys.readouterr().out
 
 
 def test_cli_dump_and_backends(tmp_path, capsys):

@@ -1,0 +1,327 @@
+"""Triton flash-attention forward (varlen, causal) with two epilogues: half-precision or NVFP4.
+
+One kernel source serves both outputs; the ``EPILOGUE`` constexpr picks
+:func:`_store_half` (``out [T, H, Dv]`` in the query dtype, the unfused path
+and the guard's fallback) or :func:`_store_nvfp4` (packed e2m1 codes
+``[T, H*Dv/2]`` and e4m3 block scales at the tokens' global rows in the 128x4
+swizzled layout, quantized from the float32 accumulator with the global scale
+as input: the fused path, no half-precision round trip).
+
+Layouts: ``q [T, H, Dqk]``, ``k [T, Hkv, Dqk]``, ``v [T, Hkv, Dv]`` (token-major,
+unit stride along the head dim), sequences packed along ``T`` and delimited by
+``cu_seqlens`` int32 ``[B + 1]``; query head ``h`` reads kv head
+``h // (H / Hkv)``. Keys of a sequence are its own tokens (prefill with no
+cached context), so the causal mask is ``key <= query`` within a sequence.
+
+The query/key head dim need not be a power of two: it is split into a
+power-of-two part and a tail (MLA prefill's 192 = 128 + 64), each its own dot.
+
+:func:`flash_attention` and :func:`flash_attention_nvfp4` are unvalidated
+launchers; the checked entry points are in :mod:`fusion_pass.kernels`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_pass import nvfp4
+from fusion_pass.kernels.nvfp4_tl import quantize_tile, swizzled_scale_offset
+
+__all__ = ["flash_attention", "flash_attention_nvfp4", "attention_config", "split_head_dim"]
+
+EPILOGUE_HALF = 0
+EPILOGUE_NVFP4 = 1
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_tokens(ptr, stride_t, tokens, dims, token_limit, dim_limit, MASK_TOKENS: tl.constexpr, MASK_DIMS: tl.constexpr):
+    """Tile ``[len(tokens), len(dims)]`` of a token-major tensor; masked reads give 0."""
+    offsets = tokens[:, None].to(tl.int64) * stride_t + dims[None, :]
+    if MASK_TOKENS or MASK_DIMS:
+        mask = (tokens[:, None] < token_limit) & (dims[None, :] < dim_limit)
+        return tl.load(ptr + offsets, mask=mask, other=0.0)
+    return tl.load(ptr + offsets)
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` (float32 ``acc``). ``UPCAST`` feeds the operands as float32: only for
+    Triton's interpreter, whose dot multiplies bfloat16 tensors' raw bits (Triton 3.6)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_block(
+    acc, row_max, row_sum, q_main, q_tail,
+    k_ptr, v_ptr, stride_kt, stride_vt,
+    start_n, rows, seqlen, qk_scale,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D_MAIN: tl.constexpr, BLOCK_D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Fold keys ``[start_n, start_n + BLOCK_N)`` into the online softmax.
+
+    ``MASKED`` blocks (the diagonal and the sequence's last block) mask keys past
+    the sequence and, causally, keys after the query; unmasked ones are wholly
+    visible to every query row of the tile.
+    """
+    keys = start_n + tl.arange(0, BLOCK_N)
+    d_main = tl.arange(0, BLOCK_D_MAIN)
+    k_main = _load_tokens(k_ptr, stride_kt, keys, d_main, seqlen, HEAD_DIM_QK, MASKED, BLOCK_D_MAIN > HEAD_DIM_QK)
+    scores = _dot(q_main, tl.trans(k_main), tl.zeros((q_main.shape[0], BLOCK_N), tl.float32), UPCAST)
+    if BLOCK_D_TAIL > 0:
+        d_tail = BLOCK_D_MAIN + tl.arange(0, BLOCK_D_TAIL)
+        k_tail = _load_tokens(
+            k_ptr, stride_kt, keys, d_tail, seqlen, HEAD_DIM_QK, MASKED, BLOCK_D_MAIN + BLOCK_D_TAIL > HEAD_DIM_QK
+        )
+        scores = _dot(q_tail, tl.trans(k_tail), scores, UPCAST)
+    scores = scores * qk_scale  # log2 domain
+    if MASKED:
+        visible = keys[None, :] < seqlen
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    # Rows with no visible key yet keep max -inf; shift by 0 there instead of -inf.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.math.exp2(scores - shift[:, None])
+    alpha = tl.math.exp2(row_max - shift)
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    d_v = tl.arange(0, BLOCK_DV)
+    v = _load_tokens(v_ptr, stride_vt, keys, d_v, seqlen, HEAD_DIM_V, MASKED, BLOCK_DV > HEAD_DIM_V)
+    acc = _dot(p.to(v.dtype), v, acc, UPCAST)
+    return acc, new_max, row_sum
+
+
+@triton.jit
+def _store_half(out, out_ptr, stride_ot, stride_oh, tokens, rows_valid, head, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Half-precision epilogue: ``out [BLOCK_M, BLOCK_DV]`` float32 -> ``Out[token, head, :]``."""
+    d_v = tl.arange(0, BLOCK_DV)
+    offsets = tokens[:, None].to(tl.int64) * stride_ot + head * stride_oh + d_v[None, :]
+    mask = rows_valid[:, None] & (d_v[None, :] < HEAD_DIM_V)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_nvfp4(
+    out, packed_ptr, scales_ptr, global_scale_ptr, tokens, rows_valid, head, packed_row_bytes, scale_col_tiles,
+    HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """NVFP4 epilogue: quantize ``out [BLOCK_M, BLOCK_DV]`` float32 per 16-element block.
+
+    Row ``t`` (a global token index), head ``h``: packed bytes at
+    ``packed[t, h*Dv/2 : (h+1)*Dv/2]``, block scales at the swizzled offsets of
+    (row ``t``, block columns ``h*Dv/16 ...``).
+    """
+    packed, sf = quantize_tile(out, tl.load(global_scale_ptr), BLOCK_M, BLOCK_DV)
+    byte_cols = tl.arange(0, BLOCK_DV // 2)
+    offsets = tokens[:, None].to(tl.int64) * packed_row_bytes + head * (HEAD_DIM_V // 2) + byte_cols[None, :]
+    tl.store(packed_ptr + offsets, packed, mask=rows_valid[:, None] & (byte_cols[None, :] < HEAD_DIM_V // 2))
+    block_cols = tl.arange(0, BLOCK_DV // 16)
+    scale_offsets = swizzled_scale_offset(
+        tokens[:, None].to(tl.int64), head * (HEAD_DIM_V // 16) + block_cols[None, :], scale_col_tiles
+    )
+    tl.store(scales_ptr + scale_offsets, sf, mask=rows_valid[:, None] & (block_cols[None, :] < HEAD_DIM_V // 16))
+
+
+@triton.jit
+def _flash_attention_kernel(
+    q_ptr, k_ptr, v_ptr, cu_seqlens_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    out_ptr, stride_ot, stride_oh,  # half epilogue
+    packed_ptr, scales_ptr, global_scale_ptr, packed_row_bytes, scale_col_tiles,  # NVFP4 epilogue
+    qk_scale, kv_group,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D_MAIN: tl.constexpr, BLOCK_D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, EPILOGUE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Program ``(m, h, b)``: query rows ``[m*BLOCK_M, +BLOCK_M)`` of sequence ``b``, head ``h``.
+
+    Causal grids run the query tiles last-first (the longest key ranges start
+    first, which balances the tail of the launch).
+    """
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if CAUSAL:
+        m_block = tl.num_programs(0) - 1 - m_block
+    seq_start = tl.load(cu_seqlens_ptr + seq)
+    seqlen = tl.load(cu_seqlens_ptr + seq + 1) - seq_start
+    start_m = m_block * BLOCK_M
+    if start_m >= seqlen:
+        return
+    kv_head = head // kv_group
+
+    rows = start_m + tl.arange(0, BLOCK_M)  # positions within the sequence
+    rows_valid = rows < seqlen
+    tokens = seq_start + rows
+    q_base = q_ptr + seq_start.to(tl.int64) * stride_qt + head * stride_qh
+    k_base = k_ptr + seq_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + seq_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+
+    d_main = tl.arange(0, BLOCK_D_MAIN)
+    q_main = tl.load(
+        q_base + rows[:, None].to(tl.int64) * stride_qt + d_main[None, :],
+        mask=rows_valid[:, None] & (d_main[None, :] < HEAD_DIM_QK), other=0.0,
+    )
+    q_tail = q_main  # unused unless the head dim has a tail
+    if BLOCK_D_TAIL > 0:
+        d_tail = BLOCK_D_MAIN + tl.arange(0, BLOCK_D_TAIL)
+        q_tail = tl.load(
+            q_base + rows[:, None].to(tl.int64) * stride_qt + d_tail[None, :],
+            mask=rows_valid[:, None] & (d_tail[None, :] < HEAD_DIM_QK), other=0.0,
+        )
+
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+    # Keys [0, unmasked_end) are visible to every row of the tile; the rest need masks.
+    if CAUSAL:
+        key_end = tl.minimum(seqlen, start_m + BLOCK_M)
+        unmasked_end = start_m
+    else:
+        key_end = seqlen
+        unmasked_end = (seqlen // BLOCK_N) * BLOCK_N
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        acc, row_max, row_sum = _attend_block(
+            acc, row_max, row_sum, q_main, q_tail, k_base, v_base, stride_kt, stride_vt,
+            start_n, rows, seqlen, qk_scale,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=False, CAUSAL=CAUSAL, UPCAST=UPCAST,
+        )
+    for start_n in range(unmasked_end, key_end, BLOCK_N):
+        acc, row_max, row_sum = _attend_block(
+            acc, row_max, row_sum, q_main, q_tail, k_base, v_base, stride_kt, stride_vt,
+            start_n, rows, seqlen, qk_scale,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=True, CAUSAL=CAUSAL, UPCAST=UPCAST,
+        )
+
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    if EPILOGUE == 0:
+        _store_half(out, out_ptr, stride_ot, stride_oh, tokens, rows_valid, head, HEAD_DIM_V, BLOCK_DV)
+    else:
+        _store_nvfp4(
+            out, packed_ptr, scales_ptr, global_scale_ptr, tokens, rows_valid, head, packed_row_bytes,
+            scale_col_tiles, HEAD_DIM_V, BLOCK_M, BLOCK_DV,
+        )
+
+
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """``(main, tail)`` power-of-two dot widths covering ``head_dim`` (tail 0 when none).
+
+    ``main`` is the largest power of two <= ``head_dim`` (at least 16); the tail
+    covers the rest, at least 16 wide (a dot's minimum), masked past ``head_dim``.
+    192 -> (128, 64); 128 -> (128, 0); 72 -> (64, 16).
+    """
+    main = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - main
+    tail = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
+    return main, tail
+
+
+def attention_config(head_dim_qk: int, head_dim_v: int, device: torch.device) -> dict:
+    """Tile sizes and launch options for these head dims on ``device``.
+
+    Chosen on the H200 (``bench/attention.py``, docs/benchmarks.md); the
+    interpreter (CPU tensors) uses small tiles so tests stay fast.
+    """
+    if device.type != "cuda":
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+    if head_dim_qk + head_dim_v > 256:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _launch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, epilogue, out, packed, scales, global_scale,
+            config=None):
+    t, num_heads, head_dim_qk = q.shape
+    num_kv_heads, head_dim_v = v.shape[1], v.shape[2]
+    batch = cu_seqlens.shape[0] - 1
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim_qk)
+    d_main, d_tail = split_head_dim(head_dim_qk)
+    cfg = config or attention_config(head_dim_qk, head_dim_v, q.device)
+    block_m = cfg["BLOCK_M"]
+    grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)
+    if t == 0 or batch == 0 or max_seqlen == 0:
+        return
+    nvfp4_out = epilogue == EPILOGUE_NVFP4
+    half = out if not nvfp4_out else q  # placeholders keep the signature fixed
+    _flash_attention_kernel[grid](
+        q, k, v, cu_seqlens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        half, half.stride(0), half.stride(1),
+        packed if nvfp4_out else q, scales if nvfp4_out else q, global_scale if nvfp4_out else q,
+        num_heads * head_dim_v // 2, nvfp4.round_up(num_heads * head_dim_v // 16, 4) // 4,
+        softmax_scale * LOG2E, num_heads // num_kv_heads,
+        HEAD_DIM_QK=head_dim_qk, HEAD_DIM_V=head_dim_v,
+        BLOCK_D_MAIN=d_main, BLOCK_D_TAIL=d_tail, BLOCK_DV=triton.next_power_of_2(head_dim_v),
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        CAUSAL=causal, EPILOGUE=epilogue, UPCAST=q.device.type != "cuda",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def flash_attention(q, k, v, cu_seqlens, max_seqlen, *, causal=True, softmax_scale=None, out=None, config=None):
+    """Varlen flash attention, half-precision output (arguments not validated).
+
+    Args:
+        q: ``[T, H, Dqk]``; k: ``[T, Hkv, Dqk]``; v: ``[T, Hkv, Dv]``; float16 or
+            bfloat16, unit stride along the last dim, ``H % Hkv == 0``.
+        cu_seqlens: int32 ``[B + 1]`` on the device, ``0 = c0 <= ... <= cB = T``.
+        max_seqlen: longest sequence (sizes the grid).
+        causal: mask keys after the query (within each sequence).
+        softmax_scale: default ``1 / sqrt(Dqk)``.
+        out: optional ``[T, H, Dv]`` buffer of q's dtype.
+        config: tile/launch options overriding :func:`attention_config` (tuning).
+
+    Returns:
+        ``out [T, H, Dv]`` in q's dtype.
+    """
+    if out is None:
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    _launch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, EPILOGUE_HALF, out, None, None, None, config)
+    return out
+
+
+def flash_attention_nvfp4(
+    q, k, v, cu_seqlens, max_seqlen, global_scale, *, causal=True, softmax_scale=None, packed=None, scales=None,
+    config=None,
+):
+    """Varlen flash attention written as NVFP4 (arguments not validated).
+
+    Arguments as :func:`flash_attention`, plus ``global_scale`` (float32, one
+    element, on the device) and optional output buffers: ``packed`` uint8
+    ``T * H*Dv/2`` bytes, ``scales`` ``round_up(T,128) * round_up(H*Dv/16,4)``
+    bytes (float8_e4m3fn, uint8 or int32 as vLLM allocates it).
+
+    Returns:
+        ``(packed uint8 [T, H*Dv/2], scales float8_e4m3fn [round_up(T,128),
+        round_up(H*Dv/16,4)])``. The kernel writes every packed byte and the
+        scales of rows ``< T``; the padding scale entries are zeroed here (only
+        the last 128-row tile, unless the columns are padded too).
+    """
+    t, num_heads = q.shape[0], q.shape[1]
+    width = num_heads * v.shape[2]
+    rows, cols = nvfp4.scale_shape(t, width, swizzled=True)
+    if packed is None:
+        packed = torch.empty((t, width // 2), dtype=torch.uint8, device=q.device)
+    if scales is None:
+        scales = torch.empty((rows, cols), dtype=torch.uint8, device=q.device)
+    scale_bytes = scales.view(torch.uint8).view(-1)
+    if cols != width // 16:
+        scale_bytes.zero_()
+    elif t % 128 != 0:
+        scale_bytes[(t // 128) * 128 * cols :].zero_()
+    _launch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, EPILOGUE_NVFP4, None,
+            packed.view(torch.uint8), scale_bytes, global_scale, config)
+    return packed.view(t, width // 2), scale_bytes.view(rows, cols).view(torch.float8_e4m3fn)

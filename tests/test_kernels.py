@@ -1,0 +1,337 @@
+"""The Triton kernels: NVFP4 quantizer and flash attention with half / NVFP4 epilogues.
+
+On a CUDA device they run compiled; without one, in Triton's interpreter
+(``TRITON_INTERPRET=1``, set by conftest.py) on tiny shapes, so a kernel
+regression is caught on the CPU too. Every run draws fresh random inputs; the
+seed is in each failure message.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusion_pass import kernels, nvfp4
+from fusion_pass.kernels import flash_attention as fa
+from fusion_pass.kernels import nvfp4_quant
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+FP8 = torch.float8_e4m3fn
+HALF = [torch.bfloat16, torch.float16]
+
+pytestmark = pytest.mark.skipif(
+    not CUDA and not kernels.interpreter_enabled(),
+    reason="no CUDA device and TRITON_INTERPRET is not set (conftest.py sets it on CPU-only machines)",
+)
+
+
+def fresh_generator() -> tuple[torch.Generator, int]:
+    seed = random.SystemRandom().randrange(2**31)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def randn(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def scale_bytes(scales: torch.Tensor) -> torch.Tensor:
+    return scales.view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------
+# NVFP4 quantizer: the reference's bytes exactly
+# ---------------------------------------------------------------------------
+
+QUANT_SHAPES = [(1, 16), (37, 64), (130, 48), (128, 256), (300, 272)] + ([(4099, 4096)] if CUDA else [])
+
+
+@pytest.mark.parametrize("m,k", QUANT_SHAPES)
+@pytest.mark.parametrize("dtype", HALF + [torch.float32])
+@pytest.mark.parametrize("swizzled", [True, False])
+def test_quant_matches_reference_bytes_into_poisoned_buffers(m, k, dtype, swizzled):
+    gen, seed = fresh_generator()
+    x = randn(gen, m, k) * torch.exp(2 * randn(gen, m, 1))
+    gs = torch.tensor([448 * 6 / float(x.abs().amax()) * 4], device=DEVICE)
+    x[0, :16] = 0.0  # all-zero block: scale 0, codes 0
+    if m > 2:
+        x[1, :16] = -0.0  # sign kept: code 8
+        x[2, 16 % k : 16 % k + 16] = 6e4  # saturating scale
+    x = x.to(dtype)
+    want_packed, want_scales = nvfp4.quantize_reference(x, gs, swizzled=swizzled)
+    rows, cols = nvfp4.scale_shape(m, k, swizzled=swizzled)
+    results = []
+    for poison in (0x00, 0xFF):
+        packed = torch.full((m, k // 2), poison, dtype=torch.uint8, device=DEVICE)
+        scales = torch.full((rows, cols), poison, dtype=torch.uint8, device=DEVICE)
+        got_packed, got_scales = nvfp4_quant.quantize(x, gs, swizzled=swizzled, packed=packed, scales=scales)
+        assert got_packed.data_ptr() == packed.data_ptr() and got_scales.data_ptr() == scales.data_ptr()
+        results.append((packed.clone(), scales.clone()))
+    for packed, scales in results:
+        assert torch.equal(scales, scale_bytes(want_scales)), f"block scales differ (seed {seed})"
+        assert torch.equal(packed, want_packed), f"packed codes differ (seed {seed})"
+
+
+def test_quant_rounds_block_scales_like_the_e4m3_cast():
+    """Every e4m3 value, every midpoint between neighbours (ties to even, carries into the
+    exponent such as 124 -> 128), and their float32 neighbours, as ``gs * amax / 6``."""
+    values = torch.arange(0, 127, dtype=torch.uint8).view(FP8).float()  # all finite non-negative e4m3
+    mids = (values[1:] + values[:-1]) / 2
+    targets = torch.cat([values, mids, torch.nextafter(mids, torch.zeros(())), torch.nextafter(mids, torch.full((), 1e9))])
+    targets = targets[targets <= 448]
+    x = torch.zeros(targets.numel(), 16)
+    x[:, 3] = targets * 6  # exact in float32: e4m3 midpoints have few significant bits
+    x[:, 5] = -targets * 3
+    x = x.to(DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    _, got = nvfp4_quant.quantize(x, one, swizzled=False)
+    _, want = nvfp4.quantize_reference(x, one, swizzled=False)
+    assert torch.equal(scale_bytes(got), scale_bytes(want))
+    assert torch.equal(scale_bytes(want).cpu(), targets.to(FP8).view(torch.uint8).view(-1, 1))
+
+
+def test_quant_entry_point_flattens_and_checks():
+    gen, seed = fresh_generator()
+    x = randn(gen, 3, 5, 32, dtype=torch.bfloat16)
+    gs = torch.tensor([100.0], device=DEVICE)
+    got = kernels.quantize(x, gs)
+    want = nvfp4.quantize_reference(x, gs)
+    assert torch.equal(got[0], want[0]) and torch.equal(scale_bytes(got[1]), scale_bytes(want[1])), seed
+    with pytest.raises(ValueError, match=r"divisible by 16"):
+        kernels.quantize(torch.ones(4, 20, device=DEVICE), gs)
+    with pytest.raises(TypeError, match=r"global_scale must be a float32 tensor"):
+        kernels.quantize(x, 2.0)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device: the scaled_fp4_quant op takes the Triton path on CUDA only")
+def test_scaled_fp4_quant_op_on_cuda_is_the_triton_kernel_with_reference_bytes():
+    from fusion_pass import ops
+
+    gen, seed = fresh_generator()
+    x = randn(gen, 333, 1024, dtype=torch.bfloat16)
+    gs = torch.tensor([448 * 6 / float(x.float().abs().amax())], device=DEVICE)
+    packed, scales = ops.scaled_fp4_quant(x, gs)
+    want_packed, want_scales = nvfp4.quantize_reference(x, gs)
+    assert torch.equal(packed, want_packed), seed
+    assert torch.equal(scale_bytes(scales), scale_bytes(want_scales)), seed
+
+
+# ---------------------------------------------------------------------------
+# flash attention
+# ---------------------------------------------------------------------------
+
+# (num_heads, num_kv_heads, Dqk, Dv, sequence lengths)
+CPU_CASES = [
+    (2, 2, 192, 128, [37, 5, 20, 1]),  # MLA prefill dims, lengths off the 16-row tile
+    (4, 2, 128, 128, [33, 17]),  # GQA
+    (2, 1, 72, 32, [40]),  # head dim with a masked tail dot
+]
+GPU_CASES = [
+    (16, 16, 192, 128, [1000, 1, 129, 511, 64]),  # MLA, lengths off the 128-row tile
+    (8, 2, 128, 128, [700, 300, 1]),  # GQA
+    (4, 4, 64, 64, [2048, 3]),
+]
+CASES = GPU_CASES if CUDA else CPU_CASES
+
+
+def make_qkv(gen, heads, kv_heads, dqk, dv, lengths, dtype):
+    t = sum(lengths)
+    q = randn(gen, t, heads, dqk, dtype=dtype)
+    k = randn(gen, t, kv_heads, dqk, dtype=dtype)
+    v = randn(gen, t, kv_heads, dv, dtype=dtype)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu
+
+
+def reference_attention(q, k, v, cu, causal, dtype=torch.float64):
+    """Per sequence, in ``dtype`` on the CPU (float64: the oracle)."""
+    from fusion_pass.runtime.dense import attention_with_lse
+
+    out = []
+    bounds = cu.tolist()
+    scale = 1 / math.sqrt(q.shape[2])
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[a:b].cpu().to(dtype) for t in (q, k, v))
+        if dtype == torch.float64:
+            scores = torch.einsum("qhd,khd->hqk", qs, ks.repeat_interleave(q.shape[1] // k.shape[1], 1)) * scale
+            if causal:
+                scores = scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+            p = scores.softmax(-1)
+            out.append(torch.einsum("hqk,khd->qhd", p, vs.repeat_interleave(q.shape[1] // v.shape[1], 1)))
+        else:
+            out.append(attention_with_lse(qs, ks, vs, scale=scale, causal=causal)[0])
+    return torch.cat(out)
+
+
+def eager_half_attention(q, k, v, cu, causal):
+    """What an eager model computes: SDPA in the input dtype, per sequence."""
+    out = []
+    bounds = cu.tolist()
+    group = q.shape[1] // k.shape[1]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        qs = q[a:b].transpose(0, 1)
+        ks = k[a:b].repeat_interleave(group, 1).transpose(0, 1)
+        vs = v[a:b].repeat_interleave(group, 1).transpose(0, 1)
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c[0]}kv{c[1]}d{c[2]}-{c[3]}")
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_half_output_against_float64(case, dtype, causal):
+    heads, kv_heads, dqk, dv, lengths = case
+    gen, seed = fresh_generator()
+    q, k, v, cu = make_qkv(gen, heads, kv_heads, dqk, dv, lengths, dtype)
+    poisoned = torch.full((q.shape[0], heads, dv), float("nan"), dtype=dtype, device=DEVICE)
+    out = fa.flash_attention(q, k, v, cu, max(lengths), causal=causal, out=poisoned)
+    assert out.data_ptr() == poisoned.data_ptr()
+    assert not out.isnan().any(), f"unwritten output elements (seed {seed})"
+    ref = reference_attention(q, k, v, cu, causal)
+    rel = ((out.cpu().double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, f"relative error {rel:.2e} (seed {seed})"
+    public = kernels.attention(q, k, v, cu, max(lengths), causal=causal, backend="triton")
+    assert torch.equal(public, out), "the public entry point must run the same kernel"
+
+
+def code_step(packed, scales, gs):
+    """Per element: the gap between the e2m1 values around its code, in output units."""
+    codes = nvfp4.unpack_codes(packed.cpu())
+    sf = nvfp4.unswizzle_scales(scales.cpu(), packed.shape[0], codes.shape[1] // 16).float()
+    return 2 * nvfp4.half_step(codes) * sf.repeat_interleave(16, dim=1) / gs.cpu()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c[0]}kv{c[1]}d{c[2]}-{c[3]}")
+@pytest.mark.parametrize("dtype", HALF)
+def test_attention_nvfp4_output_within_fa4s_criterion(case, dtype):
+    """kernel error <= 2 x (error of eager half attention then quant) + one code step,
+    errors measured against float64 attention; every byte written (two poisons agree);
+    padding scales zero."""
+    heads, kv_heads, dqk, dv, lengths = case
+    gen, seed = fresh_generator()
+    q, k, v, cu = make_qkv(gen, heads, kv_heads, dqk, dv, lengths, dtype)
+    t = q.shape[0]
+    ref = reference_attention(q, k, v, cu, True).reshape(t, -1)
+    gs = torch.tensor([448 * 6 / ref.abs().max().item()], dtype=torch.float32, device=DEVICE)
+    rows, cols = nvfp4.scale_shape(t, heads * dv)
+
+    runs = []
+    for poison in (0x00, 0xFF):
+        packed = torch.full((t, heads * dv // 2), poison, dtype=torch.uint8, device=DEVICE)
+        scales = torch.full((rows, cols), poison, dtype=torch.uint8, device=DEVICE)
+        fa.flash_attention_nvfp4(q, k, v, cu, max(lengths), gs, causal=True, packed=packed, scales=scales)
+        runs.append((packed.clone(), scales.clone()))
+    (packed, scales), (packed2, scales2) = runs
+    assert torch.equal(packed, packed2) and torch.equal(scales, scales2), f"unwritten bytes (seed {seed})"
+    linear = nvfp4.unswizzle_scales(scales.cpu().view(FP8), rows, cols)
+    assert not linear[t:].view(torch.uint8).any(), "padding rows of the scale buffer must be zero"
+
+    kernel = nvfp4.dequantize(packed.cpu(), scales.cpu().view(FP8), gs.cpu()).double()
+    eager_packed, eager_scales = nvfp4.quantize_reference(eager_half_attention(q, k, v, cu, True).reshape(t, -1), gs)
+    eager = nvfp4.dequantize(eager_packed.cpu(), eager_scales.cpu(), gs.cpu()).double()
+    ref_packed, ref_scales = nvfp4.quantize_reference(ref.float(), gs.cpu())
+    step = code_step(ref_packed, ref_scales, gs).double()
+    kernel_err = (kernel - ref).abs().max().item()
+    eager_err = (eager - ref).abs().max().item()
+    allowed = 2 * eager_err + step.max().item()
+    assert kernel_err <= allowed, f"kernel error {kernel_err:.3e} > {allowed:.3e} (eager {eager_err:.3e}, seed {seed})"
+
+    public = kernels.attention_nvfp4(q, k, v, cu, max(lengths), gs, backend="triton")
+    assert torch.equal(public[0], packed) and torch.equal(scale_bytes(public[1]), scales)
+
+
+def test_reference_backend_is_float32_attention_then_reference_quant():
+    gen, seed = fresh_generator()
+    q, k, v, cu = make_qkv(gen, 2, 1, 32, 16, [9, 4], torch.bfloat16)
+    gs = torch.tensor([50.0], device=DEVICE)
+    packed, scales = kernels.attention_nvfp4(q, k, v, cu, 9, gs, backend="reference")
+    ref = reference_attention(q, k, v, cu, True, dtype=torch.float32).reshape(13, -1)
+    want = nvfp4.quantize_reference(ref.to(DEVICE), gs)
+    assert torch.equal(packed, want[0]) and torch.equal(scale_bytes(scales), scale_bytes(want[1])), seed
+    out = kernels.attention(q, k, v, cu, 9, backend="reference")
+    assert torch.equal(out.cpu(), ref.reshape(13, 2, 16).to(torch.bfloat16))
+
+
+def test_split_head_dim():
+    assert fa.split_head_dim(192) == (128, 64)
+    assert fa.split_head_dim(128) == (128, 0)
+    assert fa.split_head_dim(72) == (64, 16)
+    assert fa.split_head_dim(16) == (16, 0)
+
+
+# ---------------------------------------------------------------------------
+# argument checks of the public entry points
+# ---------------------------------------------------------------------------
+
+
+def _args():
+    q = torch.zeros(10, 4, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.zeros(10, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    v = torch.zeros(10, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda a: {"q": a["q"][0]}, ValueError, r"q must be a 3-D tensor \[T, H, Dqk\]"),
+        (lambda a: {"k": a["k"].float()}, TypeError, r"k must be float16 or bfloat16, got torch.float32"),
+        (lambda a: {"v": a["v"].half()}, TypeError, r"share one dtype"),
+        (lambda a: {"k": a["k"][:9]}, ValueError, r"same number of tokens"),
+        (lambda a: {"k": a["k"][..., :16]}, ValueError, r"k must be \[T, Hkv, Dqk\] with q's Dqk=32"),
+        (lambda a: {"v": a["v"][:, :1]}, ValueError, r"v must be \[T, Hkv, Dv\] with k's Hkv=2"),
+        (lambda a: {"k": a["k"][:, :1].expand(10, 3, 32), "v": a["v"][:, :1].expand(10, 3, 16)}, ValueError,
+         r"H=4 must be a multiple of k/v's heads Hkv=3"),
+        (lambda a: {"cu": a["cu"].long()}, ValueError, r"cu_seqlens must be a 1-D int32 tensor"),
+        (lambda a: {"cu": a["cu"][:1]}, ValueError, r"B \+ 1 >= 2"),
+        (lambda a: {"cu": torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)}, ValueError,
+         r"rise from 0 to T=10"),
+        (lambda a: {"cu": torch.tensor([0, 6, 4, 10], dtype=torch.int32, device=DEVICE)}, ValueError,
+         r"without decreasing"),
+        (lambda a: {"max_seqlen": 5}, ValueError, r"max_seqlen=5 is smaller than the longest sequence \(6\)"),
+        (lambda a: {"max_seqlen": 6.0}, ValueError, r"max_seqlen must be a non-negative int"),
+        (lambda a: {"softmax_scale": float("nan")}, ValueError, r"softmax_scale must be None or a positive"),
+        (lambda a: {"backend": "cudnn"}, ValueError, r"backend must be one of auto, triton, fa4, reference"),
+    ],
+)
+def test_attention_rejects_bad_arguments(change, error, match):
+    q, k, v, cu = _args()
+    args = {"q": q, "k": k, "v": v, "cu": cu, "max_seqlen": 6, "softmax_scale": None, "backend": "reference"}
+    args.update(change(args))
+    with pytest.raises(error, match=match):
+        kernels.attention(args["q"], args["k"], args["v"], args["cu"], args["max_seqlen"],
+                          softmax_scale=args["softmax_scale"], backend=args["backend"])
+
+
+def test_attention_nvfp4_rejects_bad_global_scale_and_head_dims():
+    q, k, v, cu = _args()
+    for gs, match in [
+        (torch.tensor([1.0, 2.0], device=DEVICE), r"global_scale must be a one-element float32 tensor"),
+        (torch.tensor([0.0], device=DEVICE), r"global_scale must be positive and finite, got 0.0"),
+        (torch.tensor([1.0], dtype=torch.float64, device=DEVICE), r"one-element float32"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            kernels.attention_nvfp4(q, k, v, cu, 6, gs, backend="reference")
+    odd_v = torch.zeros(10, 2, 8, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"backend 'triton' needs v's head dim Dv divisible by 16, got 8"):
+        kernels.attention_nvfp4(q, k, odd_v, cu, 6, torch.ones(1, device=DEVICE), backend="triton")
+
+
+def test_unavailable_backends_say_why(monkeypatch):
+    q, k, v, cu = _args()
+    with pytest.raises(RuntimeError, match=r"backend 'fa4' is unavailable: .*flash_attn"):
+        kernels.attention(q, k, v, cu, 6, backend="fa4")
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match=r"backend 'triton' is unavailable: triton runs on CUDA tensors"):
+            kernels.attention(q, k, v, cu, 6, backend="triton")
+        # auto never picks the interpreter: CPU tensors get the reference
+        assert kernels._choose("attention", "auto", q, v, nvfp4_output=False) == "reference"
+    else:
+        assert kernels._choose("attention", "auto", q, v, nvfp4_output=False) == "triton"
