@@ -633,7 +633,7 @@ def render_docs_section(results: dict, meta: dict) -> str:
     for t in results.get("targets") or evaluate_targets(results):
         lines.append(f"- **{status_word(t['status'])}.** ({t['id']}) {t['text']}: {t['measured']}.")
         if t["status"] == "not met":
-            lines.append("  - Why not met: (see notes below)")
+            lines.append("  - Why not met: see the notes below.")
     return "\n".join(lines)
 
 

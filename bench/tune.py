@@ -94,6 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=".", help="directory for tune.json (default: .)")
     parser.add_argument("--quick", action="store_true", help="only the 32x512 shapes")
     parser.add_argument("--skip-quant", action="store_true", help="attention only")
+    parser.add_argument("--long", action="store_true", help="only the 2x8192 shapes")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/tune.py needs a CUDA device", file=sys.stderr)
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
     if not args.skip_quant:
         tune_quant(results)
     shapes = [s for s in SHAPES if not args.quick or s[0].endswith("32x512")]
+    if args.long:
+        shapes = [s for s in SHAPES if s[0].endswith("2x8192")]
     tune_attention(results, shapes)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune.json"), "w") as f:

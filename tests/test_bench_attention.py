@@ -196,7 +196,7 @@ def test_docs_section_lists_results_and_targets():
     for needle in ("2026-01-01", "NVIDIA H200", "torch 2.13.0", "triton 3.6.0", "`python bench/attention.py --quick`",
                    "| MLA H=128 192/128 | 32x512 |", "n/a", "cuDNN could not run at"):
         assert needle in section, needle
-    assert section.count("Why not met: (see notes below)") == 1
+    assert section.count("Why not met: see the notes below.") == 1
     assert "**Not met.** (2)" in section and "1.10x" in section
     assert section.count("**Met.**") == 3
 

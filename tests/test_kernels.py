@@ -131,10 +131,12 @@ CPU_CASES = [
     (4, 2, 128, 128, [33, 17]),  # GQA
     (2, 1, 72, 32, [40]),  # head dim with a masked tail dot
 ]
-GPU_CASES = [
-    (16, 16, 192, 128, [1000, 1, 129, 511, 64]),  # MLA, lengths off the 128-row tile
+GPU_CASES = [  # both tile configurations of each head-dim pair (max_seqlen below / from 1024)
+    (16, 16, 192, 128, [1100, 1, 129, 511, 64]),  # MLA, lengths off the 128-row tile
+    (16, 16, 192, 128, [500, 129, 3]),
     (8, 2, 128, 128, [700, 300, 1]),  # GQA
-    (4, 4, 64, 64, [2048, 3]),
+    (4, 4, 128, 128, [2048, 3]),
+    (4, 4, 64, 64, [77, 5]),
 ]
 CASES = GPU_CASES if CUDA else CPU_CASES
 

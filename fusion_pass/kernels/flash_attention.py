@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from fusion_pass import nvfp4
-from fusion_pass.kernels.nvfp4_tl import quantize_tile, swizzled_scale_offset
+from fusion_pass.kernels.nvfp4_tl import quantize_pairs, swizzled_scale_offset
 
 __all__ = ["flash_attention", "flash_attention_nvfp4", "attention_config", "split_head_dim"]
 
@@ -121,15 +121,20 @@ def _store_nvfp4(
     ``packed[t, h*Dv/2 : (h+1)*Dv/2]``, block scales at the swizzled offsets of
     (row ``t``, block columns ``h*Dv/16 ...``).
     """
-    packed, sf = quantize_tile(out, tl.load(global_scale_ptr), BLOCK_M, BLOCK_DV)
-    byte_cols = tl.arange(0, BLOCK_DV // 2)
-    offsets = tokens[:, None].to(tl.int64) * packed_row_bytes + head * (HEAD_DIM_V // 2) + byte_cols[None, :]
-    tl.store(packed_ptr + offsets, packed, mask=rows_valid[:, None] & (byte_cols[None, :] < HEAD_DIM_V // 2))
-    block_cols = tl.arange(0, BLOCK_DV // 16)
-    scale_offsets = swizzled_scale_offset(
-        tokens[:, None].to(tl.int64), head * (HEAD_DIM_V // 16) + block_cols[None, :], scale_col_tiles
+    BLOCKS: tl.constexpr = BLOCK_DV // 16
+    even, odd = tl.split(tl.reshape(out, (BLOCK_M, BLOCK_DV // 2, 2)))
+    packed, sf = quantize_pairs(
+        tl.reshape(even, (BLOCK_M * BLOCKS, 8)), tl.reshape(odd, (BLOCK_M * BLOCKS, 8)), tl.load(global_scale_ptr)
     )
-    tl.store(scales_ptr + scale_offsets, sf, mask=rows_valid[:, None] & (block_cols[None, :] < HEAD_DIM_V // 16))
+    blocks = tl.arange(0, BLOCK_M * BLOCKS)
+    block_tokens = tl.reshape(tl.broadcast_to(tokens[:, None], (BLOCK_M, BLOCKS)), (BLOCK_M * BLOCKS,)).to(tl.int64)
+    block_valid = tl.reshape(tl.broadcast_to(rows_valid[:, None], (BLOCK_M, BLOCKS)), (BLOCK_M * BLOCKS,))
+    block_valid = block_valid & (blocks % BLOCKS < HEAD_DIM_V // 16)
+    head_blocks = blocks % BLOCKS
+    block_bytes = block_tokens * packed_row_bytes + head * (HEAD_DIM_V // 2) + head_blocks * 8
+    tl.store(packed_ptr + block_bytes[:, None] + tl.arange(0, 8)[None, :], packed, mask=block_valid[:, None])
+    scale_offsets = swizzled_scale_offset(block_tokens, head * (HEAD_DIM_V // 16) + head_blocks, scale_col_tiles)
+    tl.store(scales_ptr + scale_offsets, sf, mask=block_valid)
 
 
 @triton.jit
@@ -228,17 +233,27 @@ def split_head_dim(head_dim: int) -> tuple[int, int]:
     return main, tail
 
 
-def attention_config(head_dim_qk: int, head_dim_v: int, device: torch.device) -> dict:
-    """Tile sizes and launch options for these head dims on ``device``.
+LONG_SEQUENCE = 1024
+"""From this ``max_seqlen`` on, the CUDA configs use 128 x 128 tiles."""
 
-    Chosen on the H200 (``bench/attention.py``, docs/benchmarks.md); the
-    interpreter (CPU tensors) uses small tiles so tests stay fast.
+
+def attention_config(head_dim_qk: int, head_dim_v: int, device: torch.device, max_seqlen: int = 0) -> dict:
+    """Tile sizes and launch options for these head dims and sequence length on ``device``.
+
+    ``BLOCK_M`` must be a multiple of ``BLOCK_N`` (the causal loop splits at a
+    query tile's first row). Chosen with ``bench/tune.py`` on the H200, by the
+    NVFP4-epilogue time (docs/benchmarks.md): 64-row tiles win at 512 tokens per
+    sequence (more programs to fill 132 SMs), 128 x 128 tiles at 8192. The
+    interpreter (CPU tensors) gets small tiles so tests stay fast.
     """
     if device.type != "cuda":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
-    if head_dim_qk + head_dim_v > 256:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    mla = head_dim_qk + head_dim_v > 256  # MLA prefill 192/128
+    if max_seqlen >= LONG_SEQUENCE:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2 if mla else 3}
+    if mla:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
 
 
 def _launch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, epilogue, out, packed, scales, global_scale,
@@ -249,8 +264,10 @@ def _launch(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, epilogue, ou
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim_qk)
     d_main, d_tail = split_head_dim(head_dim_qk)
-    cfg = config or attention_config(head_dim_qk, head_dim_v, q.device)
+    cfg = config or attention_config(head_dim_qk, head_dim_v, q.device, max_seqlen)
     block_m = cfg["BLOCK_M"]
+    if block_m % cfg["BLOCK_N"] != 0:
+        raise ValueError(f"attention config: BLOCK_M={block_m} must be a multiple of BLOCK_N={cfg['BLOCK_N']}")
     grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)
     if t == 0 or batch == 0 or max_seqlen == 0:
         return

@@ -17,18 +17,37 @@ import triton
 import triton.language as tl
 
 from fusion_pass import nvfp4
-from fusion_pass.kernels.nvfp4_tl import quantize_tile, swizzled_scale_offset
+from fusion_pass.kernels.nvfp4_tl import quantize_pairs, swizzled_scale_offset
 
 __all__ = ["quantize", "QUANT_CONFIG"]
 
-QUANT_CONFIG = {"BLOCK_M": 32, "BLOCK_K": 256, "num_warps": 8}
+QUANT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 4}
 """Tile of one program (rows x columns) and its warps; chosen on the H200 (docs/benchmarks.md)."""
+
+
+@triton.jit
+def _load_pairs(x_ptr, pair_offsets, mask):
+    """Elements ``2p`` and ``2p + 1`` of ``x`` for pair offsets ``p``, as float32.
+
+    Each pair is read as one word (4 bytes for 16-bit inputs, 8 for float32), so a
+    thread holds both elements of a packed byte without reshaping the tile.
+    """
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    if dtype == tl.float32:
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.uint64)) + pair_offsets, mask=mask, other=0)
+        even = (words & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        odd = (words >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + pair_offsets, mask=mask, other=0)
+        even = (words & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True).to(tl.float32)
+        odd = (words >> 16).to(tl.uint16).to(dtype, bitcast=True).to(tl.float32)
+    return even, odd
 
 
 @triton.jit
 def _nvfp4_quant_kernel(
     x_ptr,
-    stride_xm,
+    stride_xm,  # elements between rows; even, like K
     global_scale_ptr,
     packed_ptr,
     scales_ptr,
@@ -41,32 +60,27 @@ def _nvfp4_quant_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """One program quantizes rows ``[pid_m * BLOCK_M, +BLOCK_M)`` x columns
-    ``[pid_k * BLOCK_K, +BLOCK_K)`` of the (scale-padded) matrix; rows and
-    columns past ``M``/``K`` read as zero, so their scales are written as zero."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    in_x = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=in_x, other=0.0)
-    global_scale = tl.load(global_scale_ptr)
+    ``[pid_k * BLOCK_K, +BLOCK_K)`` of the (scale-padded) matrix, as
+    ``BLOCK_M * BLOCK_K / 16`` blocks of 8 element pairs (block columns fastest,
+    so neighbouring threads read neighbouring memory); rows and columns past
+    ``M``/``K`` read as zero, so their scales are written as zero."""
+    BLOCKS: tl.constexpr = BLOCK_K // 16
+    blocks = tl.arange(0, BLOCK_M * BLOCKS)
+    rows = tl.program_id(0) * BLOCK_M + blocks // BLOCKS
+    block_cols = tl.program_id(1) * BLOCKS + blocks % BLOCKS
+    pair_cols = block_cols[:, None] * 8 + tl.arange(0, 8)[None, :]
+    in_x = (rows < M) & (block_cols < K // 16)
+    rows64 = rows.to(tl.int64)
+    even, odd = _load_pairs(x_ptr, rows64[:, None] * (stride_xm // 2) + pair_cols, in_x[:, None])
 
-    packed, sf = quantize_tile(x.to(tl.float32), global_scale, BLOCK_M, BLOCK_K)
+    packed, sf = quantize_pairs(even, odd, tl.load(global_scale_ptr))
 
-    byte_cols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-    tl.store(
-        packed_ptr + rows[:, None].to(tl.int64) * (K // 2) + byte_cols[None, :],
-        packed,
-        mask=(rows[:, None] < M) & (byte_cols[None, :] < K // 2),
-    )
-
-    block_cols = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    tl.store(packed_ptr + rows64[:, None] * (K // 2) + pair_cols, packed, mask=in_x[:, None])
     if SWIZZLED:
-        offsets = swizzled_scale_offset(rows[:, None].to(tl.int64), block_cols[None, :], scale_cols // 4)
+        offsets = swizzled_scale_offset(rows64, block_cols, scale_cols // 4)
     else:
-        offsets = rows[:, None].to(tl.int64) * scale_cols + block_cols[None, :]
-    in_scales = (rows[:, None] < scale_rows) & (block_cols[None, :] < scale_cols)
-    tl.store(scales_ptr + offsets, sf, mask=in_scales)
+        offsets = rows64 * scale_cols + block_cols
+    tl.store(scales_ptr + offsets, sf, mask=(rows < scale_rows) & (block_cols < scale_cols))
 
 
 def quantize(
@@ -81,7 +95,8 @@ def quantize(
     """Quantize ``x`` to NVFP4 with one Triton launch (arguments not validated).
 
     Args:
-        x: float16 / bfloat16 / float32 ``[M, K]``, ``K % 16 == 0``, unit stride along K.
+        x: float16 / bfloat16 / float32 ``[M, K]``, ``K % 16 == 0``, unit stride along K,
+            an even row stride and a base aligned to two elements (copied otherwise).
         global_scale: float32, one element, on ``x``'s device.
         swizzled: 128x4 swizzled scales (default) or linear ``[M, K/16]``.
         packed: optional uint8 buffer of ``M * K/2`` elements to write into.
@@ -94,6 +109,8 @@ def quantize(
         written, padding scales zero.
     """
     m, k = x.shape
+    if x.stride(1) != 1 or x.stride(0) % 2 != 0 or x.data_ptr() % (2 * x.element_size()) != 0:
+        x = x.contiguous()
     rows, cols = nvfp4.scale_shape(m, k, swizzled=swizzled)
     if packed is None:
         packed = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)

@@ -52,41 +52,43 @@ def block_scales(amax, global_scale):
 
 @triton.jit
 def e2m1_codes(q):
-    """float32 -> e2m1 codes (uint8, 0..15): nearest, ties to the even code, saturating at 6.
+    """float32 -> e2m1 codes (int32, 0..15): nearest, ties to the even code, saturating at 6.
 
-    The thresholds are the midpoints between magnitudes; ``>`` sends a tie down,
-    ``>=`` up, so each tie lands on the even code. The sign bit is taken from the
-    float's bits, so ``-0.0`` and negatives that round to zero give code 8.
+    Magnitudes below 1 are multiples of 0.5: ``(a + 2^22) - 2^22`` rounds to
+    them (float32 adds round to nearest even; ``ulp(2^22) = 0.5``). From 1 up the
+    e2m1 values are floats with one mantissa bit: round the float32 bit pattern
+    to nearest even at bit 22; ``bits >> 22`` is then ``exponent * 2 + mantissa``,
+    which is the code plus 252 (1.0 -> 254 -> code 2, ..., 6.0 -> 259 -> code 7).
+    The sign bit comes from the float's bits, so ``-0.0`` and negatives that
+    round to zero give code 8.
     """
-    a = tl.abs(q)
-    index = (
-        (a > 0.25).to(tl.uint8)
-        + (a >= 0.75).to(tl.uint8)
-        + (a > 1.25).to(tl.uint8)
-        + (a >= 1.75).to(tl.uint8)
-        + (a > 2.5).to(tl.uint8)
-        + (a >= 3.5).to(tl.uint8)
-        + (a > 5.0).to(tl.uint8)
-    )
-    sign = (q.to(tl.int32, bitcast=True) < 0).to(tl.uint8)
-    return index | (sign << 3)
+    bits = q.to(tl.uint32, bitcast=True)
+    a = tl.minimum(tl.abs(q), E2M1_MAX)
+    small = ((a + 4194304.0) - 4194304.0) * 2.0
+    a_bits = a.to(tl.uint32, bitcast=True)
+    large = ((a_bits + 0x1FFFFF + ((a_bits >> 22) & 1)) >> 22) - 252
+    index = tl.where(a < 1.0, small.to(tl.uint32), large)
+    return index | ((bits >> 31) << 3)
 
 
 @triton.jit
-def quantize_tile(x, global_scale, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Quantize a float32 tile ``x [ROWS, COLS]`` (``COLS % 16 == 0``) to NVFP4.
+def quantize_pairs(even, odd, global_scale):
+    """Quantize 16-element blocks given as their even and odd elements.
 
-    Returns ``(packed uint8 [ROWS, COLS/2], sf uint8 [ROWS, COLS/16])``: ``sf``
-    holds the float8_e4m3fn bytes of the block scales; byte ``j`` of a ``packed``
-    row holds element ``2j`` in its low nibble.
+    ``even``/``odd``: float32 ``[N, 8]``: block ``n`` holds elements
+    ``even[n, j]`` (element ``2j`` of the block) and ``odd[n, j]`` (element
+    ``2j + 1``). Returns ``(packed uint8 [N, 8], sf uint8 [N])``:
+    byte ``j`` of a block holds element ``2j`` in its low nibble, ``sf`` the
+    float8_e4m3fn bytes of the block scales.
+
+    Taking the elements as pairs keeps the two codes of a byte in one thread:
+    no reshape or split of the tile is needed.
     """
-    blocks = tl.reshape(x, (ROWS, COLS // BLOCK_SIZE, BLOCK_SIZE))
-    amax = tl.max(tl.abs(blocks), axis=2)
+    amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
     sf, inv = block_scales(amax, global_scale)
-    codes = e2m1_codes(blocks * inv[:, :, None])
-    pairs = tl.reshape(codes, (ROWS, COLS // 2, 2))
-    low, high = tl.split(pairs)
-    return low | (high << 4), sf.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    inv = inv[:, None]
+    packed = e2m1_codes(even * inv) | (e2m1_codes(odd * inv) << 4)
+    return packed.to(tl.uint8), sf.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
