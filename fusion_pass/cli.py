@@ -30,24 +30,23 @@ def _device(value: str) -> str:
     return value
 
 
-def _positive(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {number}")
-    return number
+def _integer_at_least(minimum: int, what: str):
+    """An argparse type: an integer >= ``minimum``, described as ``what`` in errors."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {number}")
+        return number
+
+    return parse
 
 
-def _non_negative(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {number}")
-    return number
+_positive = _integer_at_least(1, "positive")
+_non_negative = _integer_at_least(0, "non-negative")
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:

@@ -298,8 +298,7 @@ def quantize(
         from fusion_pass.kernels.nvfp4_quant import quantize as triton_quantize
 
         _check_x("quantize", x, global_scale, check_value=False)
-        x2d = x.reshape(-1, x.shape[-1])
-        return triton_quantize(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), global_scale, swizzled=swizzled)
+        return triton_quantize(x.reshape(-1, x.shape[-1]), global_scale, swizzled=swizzled)
     return quantize_reference(x, global_scale, swizzled=swizzled)
 
 

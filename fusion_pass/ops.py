@@ -110,8 +110,7 @@ def _scaled_fp4_quant_out(
         from fusion_pass.kernels.nvfp4_quant import quantize as triton_quantize
 
         nvfp4._check_x("scaled_fp4_quant", input, input_scale, check_value=False)
-        x2d = input.reshape(-1, input.shape[-1])
-        triton_quantize(x2d if x2d.stride(-1) == 1 else x2d.contiguous(), input_scale,
+        triton_quantize(input.reshape(-1, input.shape[-1]), input_scale,
                         swizzled=is_sf_swizzled_layout, packed=output, scales=output_scale)
         return
     packed, scales = nvfp4.quantize(input, input_scale, swizzled=is_sf_swizzled_layout)

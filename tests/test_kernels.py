@@ -337,3 +337,61 @@ def test_unavailable_backends_say_why(monkeypatch):
         assert kernels._choose("attention", "auto", q, v, nvfp4_output=False) == "reference"
     else:
         assert kernels._choose("attention", "auto", q, v, nvfp4_output=False) == "triton"
+
+
+# ---------------------------------------------------------------------------
+# the attention op on this device: fused on prefill, fallback byte-equal to unfused
+# ---------------------------------------------------------------------------
+
+
+def test_attention_op_fuses_prefill_and_falls_back_byte_equal_on_decode():
+    """Through ``torch.ops.fusion_pass.attention_with_output`` on this device: a prefill
+    batch takes the fused path (the ``triton`` backend on CUDA, ``reference`` on the CPU)
+    within the requantization bound of the unfused bytes; a decode batch falls back and
+    its bytes equal the unfused path's (attention in bf16, then ``scaled_fp4_quant``)."""
+    from fusion_pass import guard, ops, runtime
+    from fusion_pass.demo import compare_nvfp4
+    from fusion_pass.runtime import BatchSpec, RequestSpec
+
+    heads, kv_heads, dim = (8, 2, 128) if CUDA else (2, 1, 32)
+    lengths = (300, 77) if CUDA else (20, 7)
+    impl = runtime.AttentionImpl(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, softmax_scale=dim**-0.5)
+    runtime.register_layer("test_kernels.attn", impl)
+    gen, seed = fresh_generator()
+    try:
+        runtime.clear_kv_caches()
+        steps = [
+            BatchSpec((RequestSpec("a", lengths[0]), RequestSpec("b", lengths[1]))),
+            BatchSpec((RequestSpec("a", 1, lengths[0]), RequestSpec("b", 1, lengths[1]))),
+        ]
+        for spec, want_path in zip(steps, ("fused", "fallback")):
+            t = spec.num_tokens
+            q = randn(gen, t, heads, dim, dtype=torch.bfloat16)
+            k = randn(gen, t, kv_heads, dim, dtype=torch.bfloat16)
+            v = randn(gen, t, kv_heads, dim, dtype=torch.bfloat16)
+            start = runtime.snapshot_kv_caches()
+            with runtime.batch(spec):
+                half = torch.empty(t, heads * dim, dtype=torch.bfloat16, device=DEVICE)
+                torch.ops.fusion_pass.attention_with_output(q, k, v, half, "test_kernels.attn")
+                gs = torch.tensor([448 * 6 / half.float().abs().max().item()], device=DEVICE)
+                unfused = ops.scaled_fp4_quant(half, gs)
+                runtime.restore_kv_caches(start)
+                rows, cols = nvfp4.scale_shape(t, heads * dim)
+                packed = torch.full((t, heads * dim // 2), 0xAB, dtype=torch.uint8, device=DEVICE)
+                scales = torch.full((rows, cols // 4), -1, dtype=torch.int32, device=DEVICE)  # vLLM's allocation
+                before = guard.counters()
+                torch.ops.fusion_pass.attention_with_output(q, k, v, packed, "test_kernels.attn", gs, scales)
+                after = guard.counters()
+            fused = after["fused"] - before["fused"]
+            assert (fused == 1) == (want_path == "fused"), f"{spec.kind}: guard took the wrong path"
+            equal, err, bound, within = compare_nvfp4([(packed, scales.view(FP8))], [unfused], [gs])
+            if want_path == "fused":
+                decision = guard.decide(spec, device=q.device, dtype=q.dtype, num_heads=heads,
+                                        qk_head_dim=dim, v_head_dim=dim)
+                assert decision.backend == ("triton" if CUDA else "reference")
+                assert within, f"fused NVFP4 off the unfused bytes by {err:.3e} > {bound:.3e} (seed {seed})"
+            else:
+                assert equal, f"fallback bytes differ from the unfused path's (seed {seed})"
+    finally:
+        runtime.unregister_layer("test_kernels.attn")
+        runtime.clear_kv_caches()

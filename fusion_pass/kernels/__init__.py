@@ -336,11 +336,7 @@ def quantize(x: Tensor, global_scale: Tensor, *, swizzled: bool = True) -> tuple
     ok, why = _triton_usable(x.device)
     if not ok:
         raise RuntimeError(f"quantize: {why}")
-    k = x.shape[-1]
-    x2d = x.reshape(-1, k)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    return triton_quantize(x2d, global_scale, swizzled=swizzled)
+    return triton_quantize(x.reshape(-1, x.shape[-1]), global_scale, swizzled=swizzled)
 
 
 def flash_attention_nvfp4_varlen(
