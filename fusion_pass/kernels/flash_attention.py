@@ -211,7 +211,7 @@ def _flash_attention_kernel(
         )
 
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-    if EPILOGUE == 0:
+    if EPILOGUE == 0:  # EPILOGUE_HALF (module constants are plain ints for the launcher)
         _store_half(out, out_ptr, stride_ot, stride_oh, tokens, rows_valid, head, HEAD_DIM_V, BLOCK_DV)
     else:
         _store_nvfp4(
