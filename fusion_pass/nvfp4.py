@@ -21,6 +21,7 @@ on ``global_scale`` are skipped there).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -268,19 +269,14 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _triton_importable() -> bool:
-    global _TRITON_IMPORTABLE
-    if _TRITON_IMPORTABLE is None:
-        try:
-            import triton  # noqa: F401
-
-            _TRITON_IMPORTABLE = True
-        except Exception:
-            _TRITON_IMPORTABLE = False
-    return _TRITON_IMPORTABLE
-
-
-_TRITON_IMPORTABLE: bool | None = None
+    """Whether triton imports (checked once per process)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def quantize(

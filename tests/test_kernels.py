@@ -334,9 +334,9 @@ def test_unavailable_backends_say_why(monkeypatch):
         with pytest.raises(RuntimeError, match=r"backend 'triton' is unavailable: triton runs on CUDA tensors"):
             kernels.attention(q, k, v, cu, 6, backend="triton")
         # auto never picks the interpreter: CPU tensors get the reference
-        assert kernels._choose("attention", "auto", q, v, nvfp4_output=False) == "reference"
+        assert kernels._choose("attention", "auto", q, v) == "reference"
     else:
-        assert kernels._choose("attention", "auto", q, v, nvfp4_output=False) == "triton"
+        assert kernels._choose("attention", "auto", q, v) == "triton"
 
 
 # ---------------------------------------------------------------------------

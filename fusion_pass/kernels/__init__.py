@@ -158,7 +158,7 @@ def _triton_usable(device: torch.device) -> tuple[bool, str]:
     return False, f"triton runs on CUDA tensors (or on the CPU with TRITON_INTERPRET=1), got {device} tensors"
 
 
-def _fa4_usable(q: Tensor, v: Tensor, nvfp4_output: bool) -> tuple[bool, str]:
+def _fa4_usable(q: Tensor, v: Tensor) -> tuple[bool, str]:
     from fusion_pass import backends
 
     fa4 = backends.get_backend("fa4")
@@ -168,17 +168,17 @@ def _fa4_usable(q: Tensor, v: Tensor, nvfp4_output: bool) -> tuple[bool, str]:
     return fa4.supports(q.device, q.dtype, q.shape[1], q.shape[2], v.shape[2])
 
 
-def _choose(fn: str, backend: str, q: Tensor, v: Tensor, nvfp4_output: bool) -> str:
+def _choose(fn: str, backend: str, q: Tensor, v: Tensor) -> str:
     """The backend that runs this call; raises with the reason when a named one cannot."""
     _check_backend_name(fn, backend)
     if backend == "auto":
-        if _fa4_usable(q, v, nvfp4_output)[0]:
+        if _fa4_usable(q, v)[0]:
             return "fa4"
         return "triton" if q.device.type == "cuda" and _triton_usable(q.device)[0] else "reference"
     if backend == "triton":
         ok, why = _triton_usable(q.device)
     elif backend == "fa4":
-        ok, why = _fa4_usable(q, v, nvfp4_output)
+        ok, why = _fa4_usable(q, v)
     else:
         ok, why = True, "ok"
     if not ok:
@@ -259,7 +259,7 @@ def attention(
     _check_qkv(fn, q, k, v)
     _check_varlen(fn, q, cu_seqlens, max_seqlen)
     _check_softmax_scale(fn, softmax_scale)
-    chosen = _choose(fn, backend, q, v, nvfp4_output=False)
+    chosen = _choose(fn, backend, q, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     if chosen == "triton":
         from fusion_pass.kernels.flash_attention import flash_attention
@@ -302,7 +302,7 @@ def attention_nvfp4(
     _check_global_scale(fn, global_scale, q.device)
     t, h, _ = q.shape
     dv = v.shape[2]
-    chosen = _choose(fn, backend, q, v, nvfp4_output=True)
+    chosen = _choose(fn, backend, q, v)
     if chosen != "reference" and dv % nvfp4.BLOCK_SIZE != 0:
         raise ValueError(f"{fn}: backend {chosen!r} needs v's head dim Dv divisible by 16, got {dv}")
     if (h * dv) % nvfp4.BLOCK_SIZE != 0:
