@@ -13,6 +13,11 @@ ops, and both are handled:
 Every attention node of the vocabulary is a candidate. :func:`examine` either
 returns a :class:`Match` or the reason it is refused; :func:`rewrite` inlines
 the pattern's traced replacement in place of attention + quant.
+
+A match is a proof, from the nodes' traced values, that the quant reads the
+attention output's elements in row-major ``[T, H*Dv]`` order with ``T`` the
+query's symbolic token count (:mod:`fusion_pass.layout`); whatever cannot be
+proven is refused with a reason naming what failed.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch._subclasses.functional_tensor import dispatch_functionalize
 
+from fusion_pass import layout
 from fusion_pass.patterns import AttentionQuantPattern, OpVocabulary
 
 aten = torch.ops.aten
@@ -35,12 +40,6 @@ HOPS = {
     torch.ops.higher_order.auto_functionalized: "v1",
     torch.ops.higher_order.auto_functionalized_v2: "v2",
 }
-# Ops that present the same elements under another shape.
-VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
-            aten.as_strided.default, aten.squeeze.dim, aten.unsqueeze.default, aten.flatten.using_ints}
-# Ops that can select part of a tensor.
-SLICE_OPS = {aten.slice.Tensor, aten.narrow.default, aten.select.int, aten.as_strided.default,
-             aten.split.Tensor, aten.split_with_sizes.default, operator.getitem}
 
 
 # ---------------------------------------------------------------- the two functionalized forms
@@ -107,46 +106,103 @@ class Match:
     form: str
 
 
-def _numel(node: Node):
-    val = node.meta.get("val")
-    return None if val is None else val.numel()
-
-
-def _same_numel(a: Node, b: Node) -> bool:
-    na, nb = _numel(a), _numel(b)
-    return na is not None and nb is not None and statically_known_true(na == nb)
-
-
 def _reaches(node: Node, targets: set, depth: int = 8) -> bool:
-    """Whether a quant op of ``targets`` reads ``node`` through at most ``depth`` view/slice ops."""
+    """Whether a quant op of ``targets`` reads ``node`` through at most ``depth`` view ops."""
     for user in node.users:
         if wrapped_op(user)[0] in targets:
             return True
-        if depth and user.target in VIEW_OPS | SLICE_OPS and _reaches(user, targets, depth - 1):
+        if depth and user.target in layout.VIEW_CHAIN_OPS and _reaches(user, targets, depth - 1):
             return True
     return False
 
 
-def _facts(attention: Node, result: Node) -> Facts | None:
-    """Heads and v_head_dim from static dims only (never guards on the symbolic token count)."""
-    q = attention.kwargs.get("q")
-    q_val, out_val = (q.meta.get("val") if q is not None else None), result.meta.get("val")
-    if q_val is None or out_val is None or q_val.dim() != 3 or out_val.dim() < 2:
+def _view_kwargs(node: Node, arg: str) -> dict:
+    """The v2 view description of mutable ``arg`` (``_<arg>_size`` ...), empty when it is the base itself."""
+    prefix = f"_{arg}_"
+    return {k[len(prefix):]: v for k, v in node.kwargs.items()
+            if k.startswith(prefix) and k != f"{prefix}base_index"}
+
+
+def attention_output_width(attention: Node, tokens) -> int | str:
+    """``H*Dv`` when the attention op writes its output as row-major ``[T, H*Dv]`` elements of the value
+    the graph carries on (v1: the mutated ``output``; v2: the mutated base), else a refusal reason.
+
+    v1: ``output`` must be row-major. v2: ``output`` must be its base, or a row-major view of all of
+    it starting where it starts (an alias, a whole slice, or an as_strided view proving that), and the
+    base must be row-major. Either way the written view has ``T`` rows.
+    """
+    if wrapped_op(attention)[1] == "v1":
+        out = layout.value(attention.kwargs.get("output"))
+        if not isinstance(out, torch.Tensor):
+            return "unknown_attention_shape"
+        if not layout.tensor_is_row_major(out):
+            return "attention_output_not_contiguous"
+        size = list(out.shape)
+    else:
+        base = layout.value(buffer_arg(attention, "output"))
+        if not isinstance(base, torch.Tensor):
+            return "unknown_attention_shape"
+        view = _view_kwargs(attention, "output")
+        size = list(base.shape)
+        if "size" in view:  # as_strided view of the base
+            size = [layout.value(n) for n in view["size"]]
+            stride = [layout.value(n) for n in view["stride"]]
+            offset = layout.value(view.get("storage_offset"))
+            if not layout.is_row_major(size, stride):
+                return "attention_output_not_contiguous"
+            if not (layout.known_equal(math.prod(size), base.numel())
+                    and layout.known_equal(offset, base.storage_offset())):
+                return "attention_output_is_part_of_a_buffer"
+        elif "slice_dim" in view:
+            dim = view["slice_dim"] % base.dim()
+            start, end = layout.value(view.get("slice_start")), layout.value(view.get("slice_end"))
+            if not ((start is None or layout.known_equal(start, 0))
+                    and (end is None or layout.known_at_least(end, base.shape[dim]))):
+                return "attention_output_is_part_of_a_buffer"
+        if not layout.tensor_is_row_major(base):
+            return "attention_output_not_contiguous"
+    if not size or not layout.known_equal(size[0], tokens):
+        return "attention_output_rows_are_not_tokens"
+    per_token = size[1:]
+    if not all(isinstance(d, int) for d in per_token):
+        return "unknown_attention_shape"
+    return math.prod(per_token)
+
+
+def _facts(attention: Node, width: int) -> Facts | None:
+    """Heads from the query's static dims (never guards on the symbolic token count)."""
+    q_val = layout.value(attention.kwargs.get("q"))
+    if not isinstance(q_val, torch.Tensor) or q_val.dim() != 3 or not isinstance(q_val.shape[1], int):
         return None
-    heads, per_token = q_val.shape[1], out_val.shape[1:]
-    if not isinstance(heads, int) or not all(isinstance(d, int) for d in per_token):
+    heads = q_val.shape[1]
+    if width % heads:
         return None
-    return Facts(num_heads=heads, v_head_dim=math.prod(per_token) // heads)
+    return Facts(num_heads=heads, v_head_dim=width // heads)
+
+
+def _quant_buffers_reason(quant: Node) -> str | None:
+    """The fused op writes the quant's buffers whole and row-major: they must be exactly that."""
+    if is_view_of_base(quant, "output") or is_view_of_base(quant, "output_scale"):
+        return "quant_buffers_are_views"
+    for arg in ("output", "output_scale"):
+        if not layout.tensor_is_row_major(layout.value(buffer_arg(quant, arg))):
+            return "quant_buffers_not_contiguous"
+    return None
 
 
 def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> Match | str:
-    """A :class:`Match` for ``attention`` (an attention candidate), or why it is refused."""
+    """A :class:`Match` for ``attention`` (an attention candidate), or why it is refused.
+
+    The match is proven, not assumed: the quant reads the attention output's elements in row-major
+    ``[T, H*Dv]`` order (``T`` the query's symbolic token count) through views that keep that order
+    (:mod:`fusion_pass.layout`), and the attention writes its output whole and row-major.
+    """
     if attention.kwargs.get("output_scale") is not None:
         return "attention_already_quantized"
     result = mutated_result(attention, "output")
     if result is None:
         return "attention_output_unused"
-    chain, node = [], result
+    chain, node, broken = [], result, None
     while True:
         users = list(node.users)
         if len(users) != 1:
@@ -159,24 +215,35 @@ def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary
             break
         if op in vocab.other_quants:
             return "quant_is_another_format"
-        if user.target in VIEW_OPS and _same_numel(user, result):
+        if user.target in layout.VIEW_CHAIN_OPS and user.args and user.args[0] is node:
+            broken = broken or layout.step_reason(user)
             chain.append(user)
             node = user
             continue
-        if user.target in SLICE_OPS and _reaches(user, {vocab.nvfp4_quant}):
-            return "quant_reads_slice"
         return "no_nvfp4_quant_consumer"
     quant = user
     if quant.kwargs.get("input") is not node:
         return "bf16_output_is_not_the_quant_input"
+    if broken:
+        return broken
+    q_val = layout.value(attention.kwargs.get("q"))
+    if not isinstance(q_val, torch.Tensor) or q_val.dim() < 1:
+        return "unknown_attention_shape"
+    tokens = q_val.shape[0]
+    width = attention_output_width(attention, tokens)
+    if isinstance(width, str):
+        return width
+    if not layout.reads_token_rows(layout.value(node), tokens, width):
+        return "quant_rows_are_not_tokens"
     if quant.kwargs.get("is_sf_swizzled_layout") is not True:
         return "quant_scales_not_swizzled"
-    if is_view_of_base(quant, "output") or is_view_of_base(quant, "output_scale"):
-        return "quant_buffers_are_views"
+    reason = _quant_buffers_reason(quant)
+    if reason:
+        return reason
     quant_out = mutated_result(quant, "output")
     if quant_out is None or not any(u.target is vocab.nvfp4_gemm for u in quant_out.users):
         return "no_nvfp4_gemm_consumer"
-    facts = _facts(attention, result)
+    facts = _facts(attention, width)
     if facts is None:
         return "unknown_attention_shape"
     reason = pattern.extra_check(facts)
@@ -271,5 +338,5 @@ def _erase_dead(graph: Graph, roots: list[Node]) -> None:
         feeders = [n for n in root.all_input_nodes]
         graph.erase_node(root)
         for node in feeders:  # the bf16 output buffer and its view, now unused
-            if not node.users and node.op == "call_function" and node.target in VIEW_OPS | {aten.empty.memory_format}:
+            if not node.users and node.op == "call_function" and node.target in layout.VIEW_CHAIN_OPS | {aten.empty.memory_format}:
                 _erase_dead(graph, [node])
