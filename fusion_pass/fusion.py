@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -44,19 +45,57 @@ class GraphReport:
                 f"refused: {refused} ({self.seconds * 1e3:.1f} ms)")
 
 
+def _resolve_patterns(patterns) -> tuple[AttentionQuantPattern, ...]:
+    """Entries of the pattern table, given as entries or by name; errors name the argument."""
+    if patterns is None:
+        return tuple(PATTERNS)
+    if isinstance(patterns, (str, AttentionQuantPattern)):
+        patterns = (patterns,)
+    by_name = {p.name: p for p in PATTERNS}
+    resolved = []
+    for entry in patterns:
+        if isinstance(entry, AttentionQuantPattern):
+            resolved.append(entry)
+        elif isinstance(entry, str):
+            if entry not in by_name:
+                raise ValueError(f"FusionPass: patterns names an unknown pattern {entry!r}; "
+                                 f"known patterns: {', '.join(by_name)}")
+            resolved.append(by_name[entry])
+        else:
+            raise TypeError(f"FusionPass: patterns must hold pattern names or entries of "
+                            f"fusion_pass.patterns.PATTERNS, got {type(entry).__name__} {entry!r}")
+    if not resolved:
+        raise ValueError("FusionPass: patterns must name at least one pattern")
+    return tuple(resolved)
+
+
+def _resolve_vocabularies(vocabularies) -> tuple[OpVocabulary, ...]:
+    if vocabularies is None:
+        return (fusion_pass_vocabulary(),)
+    if isinstance(vocabularies, OpVocabulary):
+        vocabularies = (vocabularies,)
+    vocabularies = tuple(vocabularies)
+    for vocab in vocabularies:
+        if not isinstance(vocab, OpVocabulary):
+            raise TypeError(f"FusionPass: vocabularies must hold OpVocabulary objects, "
+                            f"got {type(vocab).__name__} {vocab!r}")
+    if not vocabularies:
+        raise ValueError("FusionPass: vocabularies must hold at least one OpVocabulary")
+    return vocabularies
+
+
 class FusionPass(CustomGraphPass):
     """Rewrites attention -> scaled_fp4_quant -> NVFP4 GEMM into one NVFP4-output attention call.
 
-    ``patterns``: entries of :data:`fusion_pass.patterns.PATTERNS` (default: all);
-    ``vocabularies``: op vocabularies to match (default: ``torch.ops.fusion_pass``).
+    ``patterns``: entries of :data:`fusion_pass.patterns.PATTERNS` or their names
+    (default: all); ``vocabularies``: op vocabularies to match (default:
+    ``torch.ops.fusion_pass``).
     """
 
-    def __init__(self, patterns: tuple[AttentionQuantPattern, ...] | None = None,
+    def __init__(self, patterns: tuple[AttentionQuantPattern | str, ...] | None = None,
                  vocabularies: tuple[OpVocabulary, ...] | None = None):
-        self.patterns = tuple(PATTERNS if patterns is None else patterns)
-        if not self.patterns:
-            raise ValueError("FusionPass: patterns must name at least one pattern")
-        self.vocabularies = tuple(vocabularies) if vocabularies is not None else (fusion_pass_vocabulary(),)
+        self.patterns = _resolve_patterns(patterns)
+        self.vocabularies = _resolve_vocabularies(vocabularies)
         self.graphs: list[GraphReport] = []
         for vocab in self.vocabularies:  # trace once per process (cached), here rather than per graph
             for pattern in self._patterns_for(vocab):
@@ -161,22 +200,83 @@ class ChainedPass(CustomGraphPass):
         return hashlib.sha256(":".join([*map(str, uuids), self.second.uuid()]).encode()).hexdigest()
 
 
+_lock = threading.Lock()  # guards the two lists below and the config value they describe
+_active: list["enable"] = []  # enable() handles not yet disabled, oldest first
+_before_first: list = []  # [what was installed before the oldest active handle], while any is active
+
+
+def _compose():
+    """The pass to install for the active handles: what was there before, then each handle's FusionPass."""
+    previous = _before_first[0]
+    firsts = [] if previous is None else list(previous) if isinstance(previous, (list, tuple)) else [previous]
+    firsts += [h.fusion for h in _active[:-1]]
+    return ChainedPass(firsts, _active[-1].fusion) if firsts else _active[-1].fusion
+
+
+def _drop_compiled_code() -> None:
+    """Make every torch.compile'd function recompile on its next call.
+
+    Dynamo keeps compiled code per function and does not guard on Inductor's
+    ``post_grad_custom_post_pass``; without this, a function compiled before a
+    change keeps the graph it was compiled with.
+    """
+    torch._dynamo.reset_code_caches()
+
+
+def _has_compiled_code() -> bool:
+    from torch._dynamo import convert_frame
+
+    return any(ref() is not None for ref in convert_frame.input_codes.seen)
+
+
 class enable:
     """Install a :class:`FusionPass` as Inductor's post-grad custom post pass.
 
-    ``fusion_pass.enable()`` installs it for the rest of the process and returns
-    the handle; ``with fusion_pass.enable() as fp:`` installs it for the block
-    and restores the previous setting after. A pass already installed there
-    keeps running, before ours.
+    ``fusion_pass.enable()`` installs it for the rest of the process (until
+    :meth:`disable`) and returns the handle; ``with fusion_pass.enable() as fp:``
+    installs it for the block. A pass already installed there keeps running,
+    before ours. Handles can be disabled in any order: once all are, what was
+    installed before the first of them is back.
+
+    ``recompile`` (default True): enabling and disabling make every function
+    compiled with ``torch.compile`` recompile on its next call, so that
+    functions compiled before ``enable()`` pick the pass up and functions
+    compiled inside a ``with`` block drop it after the block (Dynamo does not
+    notice Inductor's config changing). With ``recompile=False`` compiled
+    functions keep the graphs they have, and ``enable()`` warns when some exist;
+    to scope the pass to one function instead, compile it with
+    ``options={"post_grad_custom_post_pass": FusionPass()}``.
     """
 
-    def __init__(self, fusion: FusionPass | None = None):
+    def __init__(self, fusion: FusionPass | None = None, *, recompile: bool = True):
         from torch._inductor import config
 
+        if fusion is not None and not isinstance(fusion, FusionPass):
+            raise TypeError(f"enable(fusion): fusion must be a FusionPass or None (a default FusionPass()), "
+                            f"got {type(fusion).__name__} {fusion!r}")
+        if not isinstance(recompile, bool):
+            raise TypeError(f"enable(recompile): must be True or False, got {recompile!r}")
         self.fusion = fusion or FusionPass()
-        self._previous = config.post_grad_custom_post_pass
-        installed = self.fusion if self._previous is None else ChainedPass(self._previous, self.fusion)
-        config.post_grad_custom_post_pass = installed
+        self.recompile = recompile
+        self._enabled = True
+        with _lock:
+            if not _active:
+                _before_first[:] = [config.post_grad_custom_post_pass]
+            _active.append(self)
+            self._install(config)
+
+    def _install(self, config) -> None:
+        """Install the composition of the active handles, or what was there before all of them."""
+        config.post_grad_custom_post_pass = _compose() if _active else _before_first.pop()
+        if self.recompile:
+            _drop_compiled_code()
+        elif _has_compiled_code():
+            logger.warning("fusion_pass.enable(recompile=False): functions already compiled with torch.compile "
+                           "keep the graphs they were compiled with; the change applies to new compiles only")
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
 
     def report(self) -> dict:
         return self.fusion.report()
@@ -188,7 +288,15 @@ class enable:
         self.disable()
 
     def disable(self) -> None:
-        """Restore what was installed before."""
+        """Remove this handle's pass; once every handle is disabled, restore what was installed before.
+
+        Calling it again does nothing.
+        """
         from torch._inductor import config
 
-        config.post_grad_custom_post_pass = self._previous
+        with _lock:
+            if not self._enabled:
+                return
+            self._enabled = False
+            _active.remove(self)
+            self._install(config)

@@ -649,6 +649,97 @@ def test_enable_as_a_context_manager_restores_the_previous_pass():
         assert inductor_config.post_grad_custom_post_pass is None
 
 
+def test_enable_takes_effect_on_functions_compiled_before_and_leaves_with_the_block(make_block, form):
+    block = make_block()
+
+    def f(q, kv_c, k_pe):
+        return block.o_proj(block.attn(q, kv_c, k_pe))
+
+    compiled = torch.compile(f, options={"fx_graph_cache": False})
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        run_compiled(compiled, PREFILL, *block.inputs(PREFILL))
+        runtime.clear_kv_caches()
+        assert guard.counters()["fused"] == 0  # compiled without the pass: the quant runs on its own
+        with fusion_pass.enable() as fp:
+            run_compiled(compiled, PREFILL, *block.inputs(PREFILL))  # recompiles, now with the pass
+            runtime.clear_kv_caches()
+            assert (len(fp.graphs), fp.graphs[0].rewritten) == (1, 1)
+            assert guard.counters()["fused"] == 1
+        run_compiled(compiled, PREFILL, *block.inputs(PREFILL))  # recompiles without it
+        runtime.clear_kv_caches()
+        assert guard.counters()["fused"] == 1, "the graph compiled inside the block kept the pass after it"
+        assert len(fp.graphs) == 1
+        assert inductor_config.post_grad_custom_post_pass is None
+
+
+def test_enable_without_recompile_says_compiled_functions_keep_their_graphs(make_block, caplog):
+    block = make_block()
+
+    def f(q, kv_c, k_pe):
+        return block.o_proj(block.attn(q, kv_c, k_pe))
+
+    compiled = torch.compile(f, options={"fx_graph_cache": False})
+    caplog.set_level(logging.WARNING, logger="fusion_pass")
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        run_compiled(compiled, PREFILL, *block.inputs(PREFILL))
+        runtime.clear_kv_caches()
+        with fusion_pass.enable(recompile=False) as fp:
+            run_compiled(compiled, PREFILL, *block.inputs(PREFILL))
+            runtime.clear_kv_caches()
+    assert fp.graphs == [] and guard.counters()["fused"] == 0
+    assert any("keep the graphs they were compiled with" in r.getMessage() for r in caplog.records)
+
+
+def _installed_fusions(installed) -> list:
+    """The passes ``installed`` runs, in order (a ChainedPass flattened)."""
+    if installed is None:
+        return []
+    if isinstance(installed, fusion_pass.fusion.ChainedPass):
+        return [*installed.firsts, installed.second]
+    return [installed]
+
+
+@pytest.mark.parametrize("previous", [None, "pass"])
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))))
+def test_enable_handles_disabled_in_any_order_restore_what_was_there(order, previous):
+    before = FusionPass(patterns=("mla_attention_nvfp4_quant",)) if previous else None
+    with inductor_config.patch(post_grad_custom_post_pass=before):
+        handles = [fusion_pass.enable(recompile=False) for _ in range(3)]
+        assert _installed_fusions(inductor_config.post_grad_custom_post_pass) == (
+            ([before] if before else []) + [h.fusion for h in handles])
+        remaining = list(handles)
+        for i in order:
+            handles[i].disable()
+            handles[i].disable()  # twice: a no-op
+            remaining.remove(handles[i])
+            expected = ([before] if before else []) + [h.fusion for h in remaining]
+            if remaining:
+                assert _installed_fusions(inductor_config.post_grad_custom_post_pass) == expected
+        assert inductor_config.post_grad_custom_post_pass is before
+        assert not any(h.enabled for h in handles)
+
+
+@pytest.mark.parametrize("bad", ["x", 3, PATTERNS[0], FusionPass])
+def test_enable_rejects_what_is_not_a_fusion_pass(bad):
+    installed = inductor_config.post_grad_custom_post_pass
+    with pytest.raises(TypeError, match=r"enable\(fusion\): fusion must be a FusionPass"):
+        fusion_pass.enable(bad)
+    assert inductor_config.post_grad_custom_post_pass is installed
+
+
+def test_patterns_given_by_name_and_clear_errors_for_bad_entries():
+    assert FusionPass(patterns=("attention_nvfp4_quant",)).patterns == (PATTERNS[1],)
+    assert FusionPass(patterns="mla_attention_nvfp4_quant").patterns == (PATTERNS[0],)
+    assert FusionPass(patterns=("attention_nvfp4_quant",)).uuid() == FusionPass(patterns=(PATTERNS[1],)).uuid()
+    with pytest.raises(ValueError, match="unknown pattern 'attn'.*known patterns: mla_attention_nvfp4_quant"):
+        FusionPass(patterns=("attn",))
+    for bad in (3, None.__class__, ("attention_nvfp4_quant", 1.5)):
+        with pytest.raises(TypeError, match="FusionPass: patterns must hold pattern names or entries"):
+            FusionPass(patterns=bad if isinstance(bad, tuple) else (bad,))
+    with pytest.raises(TypeError, match="FusionPass: vocabularies must hold OpVocabulary"):
+        FusionPass(vocabularies=("fusion_pass",))
+
+
 # ---------------------------------------------------------------- report and log line
 
 
