@@ -161,6 +161,10 @@ def attention_output_width(attention: Node, tokens) -> int | str:
                 return "attention_output_is_part_of_a_buffer"
         if not layout.tensor_is_row_major(base):
             return "attention_output_not_contiguous"
+    q_val = layout.value(attention.kwargs.get("q"))
+    written = out if wrapped_op(attention)[1] == "v1" else base
+    if not isinstance(q_val, torch.Tensor) or written.dtype != q_val.dtype:
+        return "attention_output_dtype_is_not_the_query_dtype"
     if not size or not layout.known_equal(size[0], tokens):
         return "attention_output_rows_are_not_tokens"
     per_token = size[1:]
