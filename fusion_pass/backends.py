@@ -28,11 +28,20 @@ Three backends, in preference order:
     available, the oracle of the other two.
 
 Selection: the first backend, in the order above, that is available and
-supports the layer's device/dtype/head dims. The choice can be pinned with the
-environment variable ``FUSION_PASS_BACKEND`` (``auto``, ``fa4``, ``triton``,
-``reference``; default ``auto``), with :func:`set_backend` or, scoped, with
-:func:`use_backend`. Availability is detected once per process and cached
-(:func:`refresh` re-detects).
+supports the layer's device/dtype/head dims. The choice can be pinned, in
+order of precedence:
+
+1. :func:`use_backend` (``with use_backend("reference"):``): scoped to the
+   ``with`` block *and* to the thread / asyncio task that entered it (a
+   :class:`contextvars.ContextVar`); other threads do not see it, and a new
+   thread starts without it;
+2. :func:`set_backend`: the process-wide default, seen by every thread that
+   has no :func:`use_backend` in effect;
+3. the environment variable ``FUSION_PASS_BACKEND`` (``auto``, ``fa4``,
+   ``triton``, ``reference``);
+4. ``auto``.
+
+Availability is detected once per process and cached (:func:`refresh` re-detects).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from __future__ import annotations
 import sys
 import types
 
+import contextvars
 import functools
 import importlib
 import importlib.util
@@ -172,8 +182,8 @@ def prefill_qkv(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Te
     locs = spec.query_start_loc()
     if _is_mla(impl):
         q, kv_c_normed, k_pe = inputs
-        k_pe = impl._check_inputs(q, kv_c_normed, k_pe, spec)
-        impl._cache.check(spec)
+        impl.check_inputs(q, kv_c_normed, k_pe, spec)  # side-effect free: before the cache changes
+        k_pe = k_pe.reshape(spec.num_tokens, impl.qk_rope_head_dim)
         latent = torch.cat([kv_c_normed, k_pe], dim=-1)  # [T, L + rope], input dtype
         for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
             impl._cache.extend(req, (latent[start:end],))
@@ -181,8 +191,7 @@ def prefill_qkv(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Te
         k, v = impl._expand(latent, w_uk, w_uv)  # float32
         return q, k.to(q.dtype), v.to(q.dtype)
     q, k, v = inputs
-    impl._check_inputs(q, k, v, spec)
-    impl._cache.check(spec)
+    impl.check_inputs(q, k, v, spec)  # side-effect free: before the cache changes
     for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
         impl._cache.extend(req, (k[start:end], v[start:end]))
     return q, k, v
@@ -512,8 +521,13 @@ _BACKENDS: dict[str, Backend] = {
     "reference": ReferenceBackend(),
 }
 
-_override: str | None = None  # set_backend / use_backend; None: the environment decides
+_override: str | None = None  # set_backend (process-wide); None: the environment decides
 _override_lock = threading.Lock()
+
+_UNSET: Any = object()
+_scoped: contextvars.ContextVar[Any] = contextvars.ContextVar("fusion_pass_backend", default=_UNSET)
+"""use_backend's choice for this thread / task: a backend choice, None (the environment
+decides, ignoring set_backend), or _UNSET (no use_backend in effect)."""
 
 
 def _normalize_choice(name: str, source: str) -> str:
@@ -524,11 +538,20 @@ def _normalize_choice(name: str, source: str) -> str:
 
 
 def configured_backend() -> str:
-    """The configured choice: :func:`set_backend`'s, else ``$FUSION_PASS_BACKEND``, else ``auto``.
+    """The configured choice of the calling thread / task.
 
-    Raises ValueError naming the variable and the choices when the variable is invalid.
+    :func:`use_backend`'s (innermost block of this thread / task), else
+    :func:`set_backend`'s (process-wide), else ``$FUSION_PASS_BACKEND``, else
+    ``auto``. Raises ValueError naming the variable and the choices when the
+    variable is invalid.
     """
-    override = _override
+    scoped = _scoped.get()
+    if scoped is None:  # use_backend(None): the environment decides
+        override = None
+    elif scoped is not _UNSET:
+        return scoped
+    else:
+        override = _override
     if override is not None:
         return override
     raw = os.environ.get(BACKEND_ENV, "")
@@ -538,9 +561,11 @@ def configured_backend() -> str:
 
 
 def set_backend(name: str | None) -> str | None:
-    """Pin the backend choice for the process (``None``: back to the environment/``auto``).
+    """Pin the process-wide default backend choice (``None``: back to the environment/``auto``).
 
-    Returns the previous pinned choice (``None`` if there was none).
+    Every thread sees it, except inside a :func:`use_backend` block of its own,
+    which takes precedence. Returns the previous pinned choice (``None`` if
+    there was none).
     """
     global _override
     value = None if name is None else _normalize_choice(name, "set_backend(name)")
@@ -551,14 +576,21 @@ def set_backend(name: str | None) -> str | None:
 
 @contextmanager
 def use_backend(name: str | None) -> Iterator[str | None]:
-    """Pin the backend choice inside the ``with`` block, then restore the previous one."""
-    global _override
-    previous = set_backend(name)
+    """Pin the backend choice inside the ``with`` block, for the calling thread / task only.
+
+    Takes precedence over :func:`set_backend` and ``$FUSION_PASS_BACKEND``;
+    ``None`` lets the environment decide (ignoring :func:`set_backend`) inside
+    the block. Nestable; on exit the thread's previous choice is restored.
+    Other threads never see it (it is a :class:`contextvars.ContextVar`: the
+    attention ops read it on the thread that calls them, compiled graphs
+    included), and threads started inside the block do not inherit it.
+    """
+    value = None if name is None else _normalize_choice(name, "use_backend(name)")
+    token = _scoped.set(value)
     try:
         yield name
     finally:
-        with _override_lock:
-            _override = previous
+        _scoped.reset(token)
 
 
 def get_backend(name: str) -> Backend:

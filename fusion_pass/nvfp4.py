@@ -63,6 +63,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _HALF_STEPS = (0.25, 0.25, 0.25, 0.25, 0.5, 0.5, 1.0, 1.0)
 
 _FP8 = torch.float8_e4m3fn
+_E4M3_NAN_BYTE = 0x7F  # float8_e4m3fn NaN (S.1111.111), the scale byte of a block holding a NaN
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SWIZZLE_ROWS = 128  # rows per swizzle tile
 _SWIZZLE_COLS = 4  # block columns per swizzle tile
@@ -160,6 +161,9 @@ def _e2m1_encode(q: torch.Tensor) -> torch.Tensor:
     midpoint sends the tie down, ``>=`` sends it up, chosen so that the tie lands
     on the even code index (0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2, 2.5->2,
     3.5->4, 5->4). The sign bit comes from ``signbit`` so -0.0 gives 0x8.
+    ``±Inf`` saturates to 0x7 / 0xF. A NaN gives magnitude 0 with the NaN's sign
+    bit, which depends on the device; :func:`quantize_reference` does not rely on
+    it (a block holding a NaN is written as codes 0 explicitly).
     """
     a = q.abs()
     index = (
@@ -319,21 +323,37 @@ def quantize_reference(
     Per 16-element block: ``amax`` in float32,
     ``sf = e4m3(min(gs * amax / 6, 448))`` (round to nearest even),
     ``inv = gs / float(sf)`` (0 if ``sf == 0``), codes = e2m1 of ``x * inv``.
+
+    NaN and infinity (docs/nvfp4.md, "NaN and infinity"): a block holding a NaN
+    gets the scale byte ``0x7F`` (e4m3fn NaN) and 16 codes 0 (packed bytes
+    ``0x00``), so it dequantizes to NaN. Otherwise ``±Inf`` makes ``amax`` infinite:
+    the scale saturates at 448 (byte ``0x7E``), ``±Inf`` encode as ``±6`` (codes
+    ``0x7`` / ``0xF``) and the block's finite elements are quantized against 448.
     """
     _check_x("quantize", x, global_scale)
     blocks = _blocks(x)  # [M, nb, 16]
     m, n_blocks, _ = blocks.shape
     gs = global_scale.reshape(())
 
+    # NaN blocks are written explicitly (scale byte 0x7F, codes 0) instead of
+    # relying on how max, clamp, the fp8 cast and signbit treat NaN, which
+    # differs between devices, compilers and NaN signs. Their amax is taken as 0
+    # so that the arithmetic below stays finite.
+    nan_block = blocks.isnan().any(dim=-1, keepdim=True)  # [M, nb, 1]
     amax = blocks.abs().amax(dim=-1, keepdim=True)
+    amax = torch.where(nan_block, torch.zeros_like(amax), amax)
     # torch's float -> e4m3fn cast does not saturate in every version (NaN above 448).
+    # +Inf amax: gs * inf / 6 = inf, clamped to 448.
     sf = (gs * amax / _const(amax, 6.0)).clamp(max=E4M3_MAX).to(_FP8)
     sf32 = sf.float()
     inv = torch.where(sf32 == 0, torch.zeros_like(sf32), gs / sf32)
-    codes = _e2m1_encode(blocks * inv).reshape(m, n_blocks * BLOCK_SIZE)
+    codes = _e2m1_encode(blocks * inv)  # ±Inf * inv = ±Inf saturates to code 0x7 / 0xF
+    codes = torch.where(nan_block, torch.zeros_like(codes), codes).reshape(m, n_blocks * BLOCK_SIZE)
 
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    scales = sf.reshape(m, n_blocks)
+    sf_bytes = sf.view(torch.uint8)
+    sf_bytes = torch.where(nan_block, torch.full_like(sf_bytes, _E4M3_NAN_BYTE), sf_bytes)
+    scales = sf_bytes.view(_FP8).reshape(m, n_blocks)
     scales = swizzle_scales(scales) if swizzled else scales.contiguous()
     return packed, scales
 
@@ -343,6 +363,12 @@ def _linear_scales(
 ) -> torch.Tensor:
     """Validate a dequantize ``scales`` argument; return linear fp8 ``[m, n_blocks]``."""
     if scales.dtype == torch.int32:  # vLLM allocation: 4 fp8 scales per int32
+        if scales.dim() != 2 or scales.stride(-1) != 1:
+            raise ValueError(
+                "dequantize: int32-allocated scales must be 2-D with a unit stride along the last "
+                f"dimension, to be viewed as float8_e4m3fn (got shape {list(scales.shape)}, "
+                f"strides {list(scales.stride())})"
+            )
         scales = scales.view(_FP8)
     if scales.dtype != _FP8 or scales.dim() != 2:
         raise ValueError(
@@ -381,14 +407,36 @@ def dequantize(
             (``R`` a multiple of 128) or linear ``[R, K/16]``; an int32 tensor
             (vLLM's allocation, 4 scales per element) is viewed as fp8.
         global_scale: float32 tensor with one positive finite element.
-        m: number of rows to decode (default ``packed.shape[0]``); must not
-            exceed the rows of ``packed`` or of ``scales``.
+        m: number of rows to decode (default ``packed.shape[0]``), an int
+            (``bool`` is refused); must not exceed the rows of ``packed`` or of
+            ``scales``.
         swizzled: layout of ``scales``.
-        dtype: output dtype (computed in float32, then cast).
+        dtype: output dtype, a floating-point ``torch.dtype`` (computed in
+            float32, then cast).
 
     Returns:
         ``[m, K]`` tensor of ``dtype``.
+
+    Raises:
+        TypeError: ``m`` is not an int (or is a bool), ``dtype`` is not a
+            floating-point ``torch.dtype``, ``global_scale`` is not float32.
+        ValueError: a shape, layout, device or value is wrong.
     """
+    import numbers  # numpy integers count as ints
+
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (numbers.Integral, torch.SymInt))):
+        raise TypeError(
+            f"dequantize: m must be an int (the number of rows to decode) or None, "
+            f"got {type(m).__name__} {m!r}"
+        )
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"dequantize: dtype must be a floating-point torch.dtype (e.g. torch.float32, "
+            f"torch.bfloat16), got {dtype!r}"
+        )
+    if not isinstance(packed, torch.Tensor) or not isinstance(scales, torch.Tensor):
+        bad, value = ("packed", packed) if not isinstance(packed, torch.Tensor) else ("scales", scales)
+        raise TypeError(f"dequantize: {bad} must be a tensor, got {type(value).__name__}")
     if packed.dtype != torch.uint8 or packed.dim() != 2:
         raise ValueError(
             "dequantize: packed must be a 2-D uint8 tensor [M, K/2] "
@@ -400,7 +448,7 @@ def dequantize(
             f"dequantize: packed must have K/2 divisible by {BLOCK_SIZE // 2} "
             f"(got shape {list(packed.shape)})"
         )
-    m = packed.shape[0] if m is None else m
+    m = packed.shape[0] if m is None else (int(m) if isinstance(m, numbers.Integral) else m)
     if not 0 <= m <= packed.shape[0]:
         raise ValueError(
             f"dequantize: m must be in [0, {packed.shape[0]}] (the rows of packed) (got {m})"

@@ -16,6 +16,8 @@ any device; the attention ops read their layer and the batch metadata from
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import math
 
 import torch
 from torch import Tensor
@@ -78,43 +80,117 @@ def _fake(name: str):
 # ---------------------------------------------------------------------------
 
 
-def _check_quant_buffers(input: Tensor, swizzled: bool, output: Tensor, output_scale: Tensor) -> None:
-    """Shape/dtype contract of ``scaled_fp4_quant.out``'s buffers (see NVFP4.md)."""
+_QUANT_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _dense(t: Tensor) -> bool:
+    """Contiguous, and viewable as another element size: ``is_contiguous()`` ignores the
+    strides of size-1 dims, torch's dtype-changing ``view`` needs ``stride(-1) == 1``."""
+    return t.is_contiguous() and (t.dim() == 0 or t.stride(-1) == 1)
+
+_ONE_BYTE_SCALE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+
+def _check_scale_value(op: str, arg: str, scale: Tensor) -> None:
+    """``scale`` (a one-element float32 global scale) must be positive and finite.
+
+    Read back only for concrete CPU tensors, where it is free. On CUDA it would
+    cost a device synchronization per call, so the value is not read there
+    (``docs/usage.md``, "Argument checks").
+    """
+    if scale.device.type != "cpu" or not nvfp4._is_concrete(scale):
+        return
+    value = scale.item()
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{op}: {arg} (the global scale) must be positive and finite, got {value}")
+
+
+def _check_quant_buffers(
+    input: Tensor, input_scale: Tensor, swizzled: bool, output: Tensor, output_scale: Tensor
+) -> None:
+    """Every argument of ``scaled_fp4_quant.out`` (see NVFP4.md), checked before anything is written.
+
+    ``input`` float16/bfloat16/float32 ``[..., K]`` (``K % 16 == 0``, ``M`` the
+    product of the leading dims); ``input_scale`` float32, one element, on
+    ``input``'s device; ``output`` contiguous uint8 exactly ``[M, K/2]``;
+    ``output_scale`` contiguous, swizzled: int32 ``[round_up(M,128),
+    round_up(K/16,4)/4]`` (vLLM's allocation) or uint8/float8_e4m3fn
+    ``[round_up(M,128), round_up(K/16,4)]``; linear: uint8/float8_e4m3fn ``[M, K/16]``.
+    """
+    op = "scaled_fp4_quant"
+    if input.dtype not in _QUANT_INPUT_DTYPES:
+        raise ValueError(f"{op}: input must be float16, bfloat16 or float32, got {input.dtype}")
     if input.dim() < 1 or input.shape[-1] % nvfp4.BLOCK_SIZE != 0:
         raise ValueError(
-            f"scaled_fp4_quant: input must be [..., K] with K divisible by 16, got shape {list(input.shape)}"
+            f"{op}: input must be [..., K] with K divisible by 16, got shape {list(input.shape)}"
+        )
+    device = input.device
+    if (
+        not isinstance(input_scale, Tensor)
+        or input_scale.dtype != torch.float32
+        or input_scale.numel() != 1
+        or input_scale.device != device
+    ):
+        got = (
+            f"{input_scale.dtype} {list(input_scale.shape)} on {input_scale.device}"
+            if isinstance(input_scale, Tensor) else repr(input_scale)
+        )
+        raise ValueError(
+            f"{op}: input_scale (the global scale; input_global_scale of the scaled_fp4_quant wrapper) must be "
+            f"a float32 tensor with one element on the input's device {device}, got {got}"
         )
     k = input.shape[-1]
-    m = input.numel() // k if k else 0
-    if output.dtype != torch.uint8 or output.numel() != m * (k // 2):
+    m = math.prod(input.shape[:-1])
+    want = (m, k // 2)
+    if (
+        output.dtype != torch.uint8
+        or tuple(output.shape) != want
+        or not output.is_contiguous()
+        or output.device != device
+    ):
         raise ValueError(
-            f"scaled_fp4_quant: output must be uint8 with {m}x{k // 2} elements ([M, K/2] for input "
-            f"{list(input.shape)}), got {output.dtype} {list(output.shape)}"
+            f"{op}: output must be uint8 [M, K/2] = {list(want)} for input {list(input.shape)}, contiguous, "
+            f"on {device}; got {output.dtype} {list(output.shape)}"
+            + ("" if output.is_contiguous() else " (not contiguous)")
+            + ("" if output.device == device else f" on {output.device}")
         )
     rows, cols = nvfp4.scale_shape(m, k, swizzled=swizzled)
-    if output_scale.element_size() * output_scale.numel() != rows * cols:
-        layout = "swizzled" if swizzled else "linear"
-        raise ValueError(
-            f"scaled_fp4_quant: output_scale must hold {rows}x{cols} one-byte scales ({layout} layout "
-            f"for M={m}, K={k}; vLLM allocates int32 [{rows}, {cols // 4}] when swizzled), got "
-            f"{output_scale.dtype} {list(output_scale.shape)}"
+    if swizzled:
+        allowed = {torch.int32: (rows, cols // 4), **{d: (rows, cols) for d in _ONE_BYTE_SCALE_DTYPES}}
+        expected = (
+            f"int32 [{rows}, {cols // 4}] (as vLLM allocates it) or uint8 / float8_e4m3fn [{rows}, {cols}] "
+            f"(swizzled layout, round_up(M, 128) x round_up(K/16, 4) for M={m}, K={k})"
         )
+    else:
+        allowed = {d: (rows, cols) for d in _ONE_BYTE_SCALE_DTYPES}
+        expected = f"uint8 / float8_e4m3fn [{rows}, {cols}] (linear layout, [M, K/16] for M={m}, K={k})"
+    if (
+        allowed.get(output_scale.dtype) != tuple(output_scale.shape)
+        or not _dense(output_scale)
+        or output_scale.device != device
+    ):
+        raise ValueError(
+            f"{op}: output_scale must hold {rows}x{cols} one-byte scales: {expected}, contiguous, on {device}; "
+            f"got {output_scale.dtype} {list(output_scale.shape)}"
+            + ("" if _dense(output_scale) else f" (not contiguous: strides {list(output_scale.stride())})")
+            + ("" if output_scale.device == device else f" on {output_scale.device}")
+        )
+    _check_scale_value(op, "input_scale", input_scale)
 
 
 @_impl("scaled_fp4_quant.out")
 def _scaled_fp4_quant_out(
     input: Tensor, input_scale: Tensor, is_sf_swizzled_layout: bool, *, output: Tensor, output_scale: Tensor
 ) -> None:
-    _check_quant_buffers(input, is_sf_swizzled_layout, output, output_scale)
-    if input.is_cuda and nvfp4._triton_importable() and output.is_contiguous() and output_scale.is_contiguous():
+    _check_quant_buffers(input, input_scale, is_sf_swizzled_layout, output, output_scale)
+    if input.is_cuda and nvfp4._triton_importable():
         from fusion_pass.kernels.nvfp4_quant import quantize as triton_quantize
 
-        nvfp4._check_x("scaled_fp4_quant", input, input_scale, check_value=False)
         triton_quantize(input.reshape(-1, input.shape[-1]), input_scale,
                         swizzled=is_sf_swizzled_layout, packed=output, scales=output_scale)
         return
     packed, scales = nvfp4.quantize(input, input_scale, swizzled=is_sf_swizzled_layout)
-    output.view(packed.shape).copy_(packed)
+    output.copy_(packed)
     output_scale.view(torch.uint8).view(scales.shape).copy_(scales.view(torch.uint8))
 
 
@@ -198,7 +274,8 @@ def _check_gemm_args(a, b, block_scale_a, block_scale_b, alpha) -> None:
         )
 
 
-_gemm_taps: list[list] = []
+_gemm_taps: contextvars.ContextVar[tuple[list, ...]] = contextvars.ContextVar("fusion_pass_gemm_taps", default=())
+"""The open taps of this thread / task, innermost last."""
 
 
 @contextlib.contextmanager
@@ -207,12 +284,16 @@ def tap_gemm_inputs():
 
     The NVFP4 activations the o_proj reads, whoever produced them (the quant op
     or a fused attention op): what the demo compares between compiled graphs.
+    Only calls made by the thread / asyncio task that opened the tap are
+    recorded (a :class:`contextvars.ContextVar`; compiled graphs run their ops
+    on the calling thread); when taps are nested, the innermost one records.
     """
-    _gemm_taps.append([])
+    tap: list = []
+    token = _gemm_taps.set(_gemm_taps.get() + (tap,))
     try:
-        yield _gemm_taps[-1]
+        yield tap
     finally:
-        _gemm_taps.pop()
+        _gemm_taps.reset(token)
 
 
 @_impl("nvfp4_gemm")
@@ -223,8 +304,9 @@ def _nvfp4_gemm(a, b, block_scale_a, block_scale_b, alpha, out_dtype):
     code * scale fits in bf16) and multiplied in bf16 on CUDA, float32 elsewhere.
     """
     _check_gemm_args(a, b, block_scale_a, block_scale_b, alpha)
-    if _gemm_taps:
-        _gemm_taps[-1].append((a.clone(), block_scale_a.clone()))
+    taps = _gemm_taps.get()
+    if taps:
+        taps[-1].append((a.clone(), block_scale_a.clone()))
     compute = torch.bfloat16 if a.is_cuda else torch.float32
     one = torch.ones(1, dtype=torch.float32, device=a.device)
     a_hat = nvfp4.dequantize(a, block_scale_a, one, dtype=compute)
@@ -243,34 +325,48 @@ def _nvfp4_gemm_fake(a, b, block_scale_a, block_scale_b, alpha, out_dtype):
 # ---------------------------------------------------------------------------
 
 
-def _write_attention_output(
-    op: str, out: Tensor, dtype: torch.dtype, output: Tensor, output_scale, output_block_scale
-) -> None:
+def _write_attention_output(out: Tensor, dtype: torch.dtype, output: Tensor, output_scale, output_block_scale) -> None:
     """Write float32 attention ``out [T, H, Dv]`` into the op's output buffer(s).
 
-    Without ``output_scale``: ``output`` holds ``T * H * Dv`` elements of the
-    query dtype. With it (the guard's fallback path): NVFP4, ``output`` uint8
+    The buffers were checked by :func:`_check_attention_call`. Without
+    ``output_scale``: ``output`` holds ``T * H * Dv`` elements of the query
+    dtype. With it (the guard's fallback path): NVFP4, ``output`` uint8
     ``[T, H*Dv/2]`` and ``output_block_scale`` the swizzled scales, produced
     exactly as the unfused graph would: attention rounded to the query dtype,
     then ``scaled_fp4_quant``.
     """
     t = out.shape[0]
     if output_scale is None:
-        if output_block_scale is not None:
-            raise ValueError(f"{op}: output_block_scale was given without output_scale (the global scale)")
-        if output.dtype != dtype or output.numel() != out.numel():
-            raise ValueError(
-                f"{op}: output must be {dtype} with {out.numel()} elements ([T, H*Dv] = "
-                f"[{t}, {out[0].numel()}]), got {output.dtype} {list(output.shape)}"
-            )
         output.view(out.shape).copy_(out)
         return
-    if output_block_scale is None:
-        raise ValueError(f"{op}: NVFP4 output needs output_block_scale (the swizzled scale buffer)")
     flat = out.to(dtype).reshape(t, -1)
+    rows, cols = nvfp4.scale_shape(t, flat.shape[1], swizzled=True)
     torch.ops.fusion_pass.scaled_fp4_quant.out(
-        flat, output_scale, True, output=output, output_scale=output_block_scale
+        flat,
+        output_scale,
+        True,
+        output=output.view(t, flat.shape[1] // 2),
+        output_scale=output_block_scale.view(torch.uint8).view(rows, cols),
     )
+
+
+def _check_query_dtype_output(op: str, t: int, num_heads: int, v_head_dim: int, q: Tensor, output) -> None:
+    """The query-dtype output contract of the attention ops (no ``output_scale``)."""
+    numel = t * num_heads * v_head_dim
+    viewable = output.dtype == q.dtype and output.numel() == numel
+    if viewable:
+        try:
+            output.view(t, num_heads, v_head_dim)
+        except RuntimeError:
+            viewable = False
+    if not viewable:
+        raise ValueError(
+            f"{op}: output must be {q.dtype} with {numel} elements ([T, H*Dv] = "
+            f"[{t}, {num_heads * v_head_dim}]) viewable as [T, H, Dv], got {output.dtype} {list(output.shape)}"
+            + ("" if output.is_contiguous() else " (not contiguous)")
+        )
+    if output.device != q.device:
+        raise ValueError(f"{op}: output must be on the query's device {q.device}, got {output.device}")
 
 
 _SCALE_BUFFER_DTYPES = (torch.int32, torch.float8_e4m3fn, torch.uint8)
@@ -302,18 +398,46 @@ def _check_nvfp4_buffers(
     if (
         output_block_scale.dtype not in _SCALE_BUFFER_DTYPES
         or nbytes != rows * cols
-        or not output_block_scale.is_contiguous()
+        or not _dense(output_block_scale)
     ):
         raise ValueError(
             f"{op}: output_block_scale must be a contiguous buffer of {rows}x{cols} one-byte scales "
             f"(float8_e4m3fn [{rows}, {cols}], or int32 [{rows}, {cols // 4}] as vLLM allocates it; "
             f"round_up(T, 128) x round_up(H*Dv/16, 4) for T={t}), got {output_block_scale.dtype} "
             f"{list(output_block_scale.shape)}"
-            + ("" if output_block_scale.is_contiguous() else " (not contiguous)")
+            + ("" if _dense(output_block_scale) else f" (not contiguous: strides {list(output_block_scale.stride())})")
         )
     for name, tensor in (("output", output), ("output_scale", output_scale), ("output_block_scale", output_block_scale)):
         if tensor.device != device:
             raise ValueError(f"{op}: {name} must be on the query's device {device}, got {tensor.device}")
+    _check_scale_value(op, "output_scale", output_scale)
+
+
+def _check_attention_call(op: str, impl, spec, q: Tensor, inputs: tuple, output, output_scale, output_block_scale):
+    """Every argument of an attention op call, before attention runs or any cache is touched.
+
+    The inputs against the layer and the batch (shapes, dtypes, devices, each
+    request's cached length: ``impl.check_inputs``, side-effect free), then the
+    output buffer(s) and, in the NVFP4 form, the global scale (its value on
+    CPU). Errors are ValueErrors starting with the op's name and naming the
+    op's argument.
+    """
+    try:
+        impl.check_inputs(*inputs, spec)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
+    t = spec.num_tokens
+    if output_scale is None:
+        if output_block_scale is not None:
+            raise ValueError(f"{op}: output_block_scale was given without output_scale (the global scale)")
+        _check_query_dtype_output(op, t, impl.num_heads, impl.v_head_dim, q, output)
+        return
+    if q.dtype not in _QUANT_INPUT_DTYPES:
+        raise ValueError(
+            f"{op}: NVFP4 output needs q of float16, bfloat16 or float32 (the unfused path quantizes "
+            f"attention in the query dtype), got {q.dtype}"
+        )
+    _check_nvfp4_buffers(op, t, impl.num_heads, impl.v_head_dim, q.device, output, output_scale, output_block_scale)
 
 
 def _qk_head_dim(impl) -> int:
@@ -348,26 +472,36 @@ def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
     return impl.forward(*inputs, spec)
 
 
+def _cache_rollback(impl):
+    """Undo the cache changes of a call that raises part-way (the impl's cache transaction)."""
+    cache = getattr(impl, "_cache", None)
+    transaction = getattr(cache, "transaction", None)
+    return transaction() if transaction is not None else contextlib.nullcontext()
+
+
 def _run_attention(op: str, q: Tensor, inputs: tuple, output, layer_name, output_scale, output_block_scale) -> None:
     """Shared body of the attention ops: one attention computation per call.
 
+    Every argument is checked first (:func:`_check_attention_call`), before
+    attention runs, any cache is touched or the guard counts anything: a
+    rejected call changes nothing and a retry with valid arguments succeeds.
     Without ``output_scale``: attention in the query dtype, not guarded
     (:func:`_attention`: the Triton kernel on CUDA prefill batches). With
-    it: the NVFP4 buffers are validated, :func:`fusion_pass.guard.decide`
-    picks the path and :func:`fusion_pass.guard.record` counts it; ``fused``
-    runs the selected backend (attention quantized from float32), ``fallback``
-    runs exactly the unfused computation (attention rounded to the query
-    dtype, then ``scaled_fp4_quant.out``).
+    it: :func:`fusion_pass.guard.decide` picks the path; ``fused`` runs the
+    selected backend (attention quantized from float32), ``fallback`` runs
+    exactly the unfused computation (attention rounded to the query dtype,
+    then ``scaled_fp4_quant.out``); :func:`fusion_pass.guard.record` counts
+    the call once it has completed. Should the computation still fail part-way,
+    the layer's cache is rolled back.
     """
     impl = runtime.get_layer(layer_name)
     spec = runtime.current_batch()
+    _check_attention_call(op, impl, spec, q, inputs, output, output_scale, output_block_scale)
     if output_scale is None:
-        out = _attention(impl, inputs, spec, q)
-        _write_attention_output(op, out, q.dtype, output, output_scale, output_block_scale)
+        with _cache_rollback(impl):
+            out = _attention(impl, inputs, spec, q)
+            _write_attention_output(out, q.dtype, output, output_scale, output_block_scale)
         return
-    _check_nvfp4_buffers(
-        op, q.shape[0], impl.num_heads, impl.v_head_dim, q.device, output, output_scale, output_block_scale
-    )
     decision = guard.decide(
         spec,
         device=q.device,
@@ -376,12 +510,13 @@ def _run_attention(op: str, q: Tensor, inputs: tuple, output, layer_name, output
         qk_head_dim=_qk_head_dim(impl),
         v_head_dim=impl.v_head_dim,
     )
+    with _cache_rollback(impl):
+        if decision.path == "fused":
+            backends.get_backend(decision.backend).run(impl, inputs, spec, output, output_scale, output_block_scale)
+        else:
+            out = _attention(impl, inputs, spec, q)
+            _write_attention_output(out, q.dtype, output, output_scale, output_block_scale)
     guard.record(decision)
-    if decision.path == "fused":
-        backends.get_backend(decision.backend).run(impl, inputs, spec, output, output_scale, output_block_scale)
-        return
-    out = _attention(impl, inputs, spec, q)
-    _write_attention_output(op, out, q.dtype, output, output_scale, output_block_scale)
 
 
 @_impl("attention_with_output")

@@ -119,7 +119,10 @@ def _store_nvfp4(
 
     Row ``t`` (a global token index), head ``h``: packed bytes at
     ``packed[t, h*Dv/2 : (h+1)*Dv/2]``, block scales at the swizzled offsets of
-    (row ``t``, block columns ``h*Dv/16 ...``).
+    (row ``t``, block columns ``h*Dv/16 ...``). NaN / ±Inf in ``out`` (from NaN or
+    infinite inputs) are written per docs/nvfp4.md "NaN and infinity" by the shared
+    :func:`~fusion_pass.kernels.nvfp4_tl.quantize_pairs`: NaN blocks as scale byte
+    0x7F and codes 0, ±Inf as code 0x7 / 0xF under a saturated (448) scale.
     """
     BLOCKS: tl.constexpr = BLOCK_DV // 16
     even, odd = tl.split(tl.reshape(out, (BLOCK_M, BLOCK_DV // 2, 2)))

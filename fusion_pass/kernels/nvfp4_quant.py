@@ -4,7 +4,9 @@ The CUDA path of :func:`fusion_pass.nvfp4.quantize` and of the
 ``scaled_fp4_quant`` op. Bytes are those of the reference quantizer
 (``NVFP4.md``): packed uint8 ``[M, K/2]`` and the block scales either 128x4
 swizzled (``[round_up(M, 128), round_up(K/16, 4)]``) or linear (``[M, K/16]``),
-padding entries written as zero.
+padding entries written as zero. Blocks holding NaN or ±Inf follow
+docs/nvfp4.md "NaN and infinity" (scale byte 0x7F and codes 0 for a NaN block;
+a saturated scale and codes 0x7 / 0xF for infinities).
 
 :func:`quantize` is the unvalidated launcher (callers have checked the
 arguments: the public entry points are in :mod:`fusion_pass.kernels`).

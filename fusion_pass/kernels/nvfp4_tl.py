@@ -83,12 +83,26 @@ def quantize_pairs(even, odd, global_scale):
 
     Taking the elements as pairs keeps the two codes of a byte in one thread:
     no reshape or split of the tile is needed.
+
+    NaN and infinity (docs/nvfp4.md): a block holding a NaN is written as scale
+    byte ``0x7F`` and packed bytes 0. ``amax`` is the integer maximum of the
+    magnitudes' bit patterns, which orders non-negative floats like their values
+    and puts every NaN (``> 0x7F800000``) above ``+Inf``: one reduction finds
+    both, independent of the NaN semantics of float max/min (Triton's
+    interpreter propagates NaN through ``tl.maximum`` and ignores it in
+    ``tl.max``; compiled, both ignore it). ``±Inf`` needs nothing special: the
+    scale saturates at 448 and ``±Inf * inv`` saturates to code 0x7 / 0xF.
     """
-    amax = tl.max(tl.maximum(tl.abs(even), tl.abs(odd)), axis=1)
+    magnitude = tl.maximum(even.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, odd.to(tl.uint32, bitcast=True) & 0x7FFFFFFF)
+    amax_bits = tl.max(magnitude, axis=1)
+    nan_block = amax_bits > 0x7F800000
+    amax = tl.where(nan_block, 0, amax_bits).to(tl.float32, bitcast=True)  # NaN blocks: finite arithmetic
     sf, inv = block_scales(amax, global_scale)
     inv = inv[:, None]
     packed = e2m1_codes(even * inv) | (e2m1_codes(odd * inv) << 4)
-    return packed.to(tl.uint8), sf.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    packed = tl.where(nan_block[:, None], 0, packed)
+    sf_bytes = tl.where(nan_block, 0x7F, sf.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+    return packed.to(tl.uint8), sf_bytes.to(tl.uint8)
 
 
 @triton.jit

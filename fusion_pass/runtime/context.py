@@ -306,11 +306,13 @@ class _RequestCache:
         entry = self._entries.get(request_id)
         return 0 if entry is None else entry[0].shape[0]
 
-    def check(self, spec: BatchSpec) -> None:
+    def check(self, spec: BatchSpec, *, device: torch.device | None = None) -> None:
         """Every request's cached length must equal its ``context_len``.
 
         Requests with ``context_len == 0`` start fresh, so are not checked.
-        Called before any entry is touched, so a failing batch changes nothing.
+        With ``device``, the cached context the batch reads must live there
+        (the new tokens are appended to it). Called before any entry is
+        touched, so a failing batch changes nothing; reads only.
         """
         for r in spec.requests:
             held = self.length(r.request_id)
@@ -319,6 +321,27 @@ class _RequestCache:
                     f"request {r.request_id}: batch says context_len={r.context_len} "
                     f"but the cache holds {held} tokens"
                 )
+            if device is not None and r.context_len > 0:
+                cached = self._entries[r.request_id][0].device
+                if cached != torch.device(device):
+                    raise ValueError(
+                        f"request {r.request_id}: its cached context is on {cached}, "
+                        f"the new tokens are on {torch.device(device)}"
+                    )
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Undo every change made to the cache in the ``with`` body if the body raises.
+
+        Cheap: entries are never modified in place (a step replaces them), so
+        the saved copy of the mapping shares the tensors.
+        """
+        saved = dict(self._entries)
+        try:
+            yield
+        except BaseException:
+            self._entries = saved
+            raise
 
     def extend(
         self, request: RequestSpec, new: tuple[torch.Tensor, ...], *, owned: bool = False

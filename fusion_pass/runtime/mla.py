@@ -101,6 +101,13 @@ class MLAAttentionImpl:
         """Validate shapes; return ``k_pe`` as ``[T, rope]``."""
         t, h = spec.num_tokens, self.num_heads
         nope, rope, lora = self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        for name, x in (("q", q), ("kv_c_normed", kv_c_normed), ("k_pe", k_pe)):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{name} must be a tensor, got {type(x).__name__}")
+            if not x.is_floating_point():
+                raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+            if x.device != q.device:
+                raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
         if tuple(q.shape) != (t, h, nope + rope):
             raise ValueError(f"q must have shape [T, H, nope + rope] = {[t, h, nope + rope]}, got {tuple(q.shape)}")
         if tuple(kv_c_normed.shape) != (t, lora):
@@ -114,6 +121,24 @@ class MLAAttentionImpl:
         if k_pe.dtype != kv_c_normed.dtype:
             raise ValueError(f"k_pe dtype {k_pe.dtype} != kv_c_normed dtype {kv_c_normed.dtype} (one latent cache)")
         return k_pe.reshape(t, rope)
+
+    def check_inputs(
+        self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, spec: BatchSpec
+    ) -> None:
+        """Everything :meth:`forward` checks, without side effects (ValueError naming the argument).
+
+        q/kv_c_normed/k_pe shapes against the layer and ``spec.num_tokens``,
+        dtypes and devices (``kv_b_proj``'s weight included), and the cache
+        against the batch (each request's cached length equals its
+        ``context_len``). A call that passes does not fail on its arguments in
+        :meth:`forward`; one that fails has changed nothing.
+        """
+        self._check_inputs(q, kv_c_normed, k_pe, spec)
+        if self.kv_b_proj_weight.device != q.device:
+            raise ValueError(
+                f"q is on {q.device} but the layer's kv_b_proj weight is on {self.kv_b_proj_weight.device}"
+            )
+        self._cache.check(spec, device=q.device)
 
     def _expand(self, latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
         """Latent rows ``[S, L + rope]`` -> float32 k ``[S, H, nope + rope]``, v ``[S, H, v]``."""
@@ -138,8 +163,8 @@ class MLAAttentionImpl:
         Returns:
             float32 ``[T, H, v_head_dim]``.
         """
-        k_pe = self._check_inputs(q, kv_c_normed, k_pe, spec)
-        self._cache.check(spec)  # before any entry changes
+        self.check_inputs(q, kv_c_normed, k_pe, spec)  # before any entry changes
+        k_pe = k_pe.reshape(spec.num_tokens, self.qk_rope_head_dim)
         w_uk, w_uv = self._weights()
         nope, lora = self.qk_nope_head_dim, self.kv_lora_rank
         out = torch.empty(spec.num_tokens, self.num_heads, self.v_head_dim, dtype=torch.float32, device=q.device)

@@ -75,9 +75,8 @@ class AttentionImpl:
         Returns:
             float32 ``[T, H, Dv]``.
         """
-        self._check_inputs(q, k, v, spec)
+        self.check_inputs(q, k, v, spec)  # before any entry changes
         t = spec.num_tokens
-        self._cache.check(spec)  # before any entry changes
         out = torch.empty(t, self.num_heads, self.v_head_dim, dtype=torch.float32, device=q.device)
         locs = spec.query_start_loc()
         for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
@@ -97,5 +96,22 @@ class AttentionImpl:
             ("k", k, (t, self.num_kv_heads, self.head_dim)),
             ("v", v, (t, self.num_kv_heads, self.v_head_dim)),
         ):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{name} must be a tensor of shape {list(shape)}, got {type(x).__name__}")
             if tuple(x.shape) != shape:
                 raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(x.shape)}")
+            if not x.is_floating_point():
+                raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+            if x.device != q.device:
+                raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
+
+    def check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec) -> None:
+        """Everything :meth:`forward` checks, without side effects (ValueError naming the argument).
+
+        q/k/v shapes against the layer and ``spec.num_tokens``, dtypes and
+        devices, and the cache against the batch (each request's cached length
+        equals its ``context_len``). A call that passes does not fail on its
+        arguments in :meth:`forward`; one that fails has changed nothing.
+        """
+        self._check_inputs(q, k, v, spec)
+        self._cache.check(spec, device=q.device)
