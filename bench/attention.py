@@ -11,6 +11,11 @@ and at 128 heads, MHA 128/128 at 32 heads; Hkv = H; batches of 32 x 512,
                 transpose/reshape of its output to [T, H*Dv], then the same
                 quantize (the transpose/reshape is inside the timed region);
 
+  FA4 fused     fusion_pass.kernels.fa4_attention_nvfp4_varlen: FlashAttention-4's
+                SM90 kernel with our NVFP4 epilogue (needs the fa4 extra and an SM90 GPU);
+  FA4 + quant   FA4's own varlen forward (bf16, fa4_attention_varlen) + the same quantize;
+  FA4 attn      FA4's bf16 forward alone;
+
 and the attention alone (flash_attention, cuDNN SDPA) with its TFLOP/s, the
 peak memory of one fused and one unfused call, the quantizer alone on a
 [16384, 16384] bf16 tensor (TB/s, next to a device-to-device copy as the
@@ -112,8 +117,14 @@ QUANT_TARGET_TBPS = 3.0
 MLA128_TARGET_SPEEDUP = 1.25  # unfused / fused at MLA, 128 heads, 32 x 512
 LONG_TARGET_SPEEDUP = 1.05  # unfused / fused at 2 x 8192, every head config
 
+# Targets of issue 9 (FA4 on Hopper).
+FA4_MLA128_TARGET_SPEEDUP = 1.15  # (FA4 bf16 + quant) / FA4 fused at MLA, 128 heads, 32 x 512
+FA4_EPILOGUE_MAX_OVERHEAD = 1.05  # FA4 fused / FA4 bf16 alone at 2 x 8192
+
 # Timed paths of one shape, in table order.
-PATHS = ("fused", "unfused", "flash_attention", "cudnn_quant", "cudnn_attention")
+PATHS = ("fused", "unfused", "flash_attention", "cudnn_quant", "cudnn_attention", "fa4_fused", "fa4_quant",
+         "fa4_attention")
+FA4_PATHS = ("fa4_fused", "fa4_quant", "fa4_attention")
 OUR_PATHS = ("fused", "unfused", "flash_attention")  # an error here makes the exit code 1
 
 BEGIN_MARKER = "<!-- attention-bench:begin -->"
@@ -158,14 +169,22 @@ class Kernels(NamedTuple):
     flash_attention: Callable
     flash_attention_nvfp4: Callable
     quantize: Callable
+    fa4_attention: Callable | None = None  # fa4_attention_varlen; None: FA4 unavailable (fa4_reason says why)
+    fa4_attention_nvfp4: Callable | None = None  # fa4_attention_nvfp4_varlen
+    fa4_reason: str = "not loaded"
 
 
 def load_kernels() -> Kernels:
-    """Import the launchers from fusion_pass.kernels."""
+    """Import the launchers from fusion_pass.kernels (the FA4 ones when FA4 runs on this GPU)."""
+    from fusion_pass.kernels import fa4_sm90
     from fusion_pass.kernels.flash_attention import flash_attention, flash_attention_nvfp4
     from fusion_pass.kernels.nvfp4_quant import quantize
 
-    return Kernels(flash_attention, flash_attention_nvfp4, quantize)
+    ok, why = fa4_sm90.fa4_sm90_usable("cuda", DTYPE, 16, 192, 128)
+    if not ok:
+        return Kernels(flash_attention, flash_attention_nvfp4, quantize, fa4_reason=why)
+    return Kernels(flash_attention, flash_attention_nvfp4, quantize, fa4_sm90.fa4_attention_varlen,
+                   fa4_sm90.fa4_attention_nvfp4_varlen, fa4_reason=fa4_sm90.fa4_import_status()[1])
 
 
 def time_ms(fn: Callable[[], object], warmup_ms: float = 50, rep_ms: float = 200) -> tuple[float, list[float]]:
@@ -262,10 +281,17 @@ def new_record(shape: Shape) -> dict:
 def add_derived(record: dict) -> dict:
     """Fill ``record``'s TFLOP/s and speedups from its median times (in place; returns it)."""
     ms = record["ms"]
-    record["tflops"] = {p: tera_per_s(record["flops"], ms[p]) for p in ("fused", "flash_attention", "cudnn_attention")}
+    for path in PATHS:  # records written before the FA4 paths existed
+        ms.setdefault(path, None)
+    record["tflops"] = {p: tera_per_s(record["flops"], ms[p])
+                        for p in ("fused", "flash_attention", "cudnn_attention", "fa4_fused", "fa4_attention")}
     record["speedup"] = {
         "unfused_over_fused": ratio(ms["unfused"], ms["fused"]),
         "cudnn_quant_over_fused": ratio(ms["cudnn_quant"], ms["fused"]),
+        "fa4_quant_over_fa4_fused": ratio(ms["fa4_quant"], ms["fa4_fused"]),
+        "cudnn_quant_over_fa4_fused": ratio(ms["cudnn_quant"], ms["fa4_fused"]),
+        "cudnn_attention_over_fa4_fused": ratio(ms["cudnn_attention"], ms["fa4_fused"]),
+        "fa4_fused_over_fa4_attention": ratio(ms["fa4_fused"], ms["fa4_attention"]),
     }
     return record
 
@@ -321,6 +347,20 @@ def measure_shape(kernels: Kernels, shape: Shape, *, device, seed: int, timing: 
         out = cudnn_attention(q, k, v).transpose(1, 2).reshape(t, n)
         return kernels.quantize(out, gs, swizzled=True, packed=packed, scales=scales)
 
+    fa4_out = torch.empty(t, c.heads, c.dv, dtype=DTYPE, device=device)
+
+    def fa4_fused(q, k, v):
+        kernels.fa4_attention_nvfp4(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=s, softmax_scale=scale, causal=True,
+                                    output=packed, output_scale=gs, output_block_scale=scales)
+        return packed, scales
+
+    def fa4_attention(q, k, v):
+        return kernels.fa4_attention(q, k, v, cu_seqlens, s, causal=True, softmax_scale=scale)
+
+    def fa4_quant(q, k, v):
+        out = fa4_attention(q, k, v)
+        return kernels.quantize(out.view(t, n), gs, swizzled=True, packed=packed, scales=scales)
+
     calls = {
         "fused": rotating([lambda qkv=qkv: fused(*qkv) for qkv in sets]),
         "unfused": rotating([lambda qkv=qkv: unfused(*qkv) for qkv in sets]),
@@ -328,6 +368,13 @@ def measure_shape(kernels: Kernels, shape: Shape, *, device, seed: int, timing: 
         "cudnn_quant": rotating([lambda qkv=qkv: cudnn_quant(*qkv) for qkv in bhsd_sets]),
         "cudnn_attention": rotating([lambda qkv=qkv: cudnn_attention(*qkv) for qkv in bhsd_sets]),
     }
+    if kernels.fa4_attention is not None:
+        calls["fa4_fused"] = rotating([lambda qkv=qkv: fa4_fused(*qkv) for qkv in sets])
+        calls["fa4_quant"] = rotating([lambda qkv=qkv: fa4_quant(*qkv) for qkv in sets])
+        calls["fa4_attention"] = rotating([lambda qkv=qkv: fa4_attention(*qkv) for qkv in sets])
+    else:
+        for path in FA4_PATHS:
+            record["errors"][path] = f"FA4 unavailable: {kernels.fa4_reason}"
     for path, call in calls.items():
         if path.startswith("cudnn"):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -352,6 +399,15 @@ def measure_shape(kernels: Kernels, shape: Shape, *, device, seed: int, timing: 
         for i, name in enumerate(("packed_equal", "scales_equal")):
             a, b_ = (results[p][i].view(torch.uint8) for p in ("fused", "unfused"))
             record["check"][name] = (a == b_).sum().item() / a.numel() if a.shape == b_.shape else 0.0
+    # FA4 fused against FA4 bf16 + quantize: the same bytes by construction (fraction equal)
+    if record["ms"]["fa4_fused"] is not None and record["ms"]["fa4_quant"] is not None:
+        try:
+            want = [x.view(torch.uint8).clone() for x in fa4_quant(*sets[0])]
+            got = [x.view(torch.uint8).clone() for x in fa4_fused(*sets[0])]
+            for name, a, b_ in (("fa4_packed_equal", got[0], want[0]), ("fa4_scales_equal", got[1], want[1])):
+                record["check"][name] = (a == b_).sum().item() / a.numel()
+        except Exception as exc:  # noqa: BLE001
+            record["errors"]["fa4_check"] = describe_error(exc)
     return add_derived(record)
 
 
@@ -389,7 +445,8 @@ def run_benchmark(kernels: Kernels, shapes: list[Shape], *, device="cuda", seed:
         records.append(record)
         ms = record["ms"]
         print(f"[{i}/{len(shapes)}] {shape.label}: fused {fmt(ms['fused'], 3)} ms, unfused {fmt(ms['unfused'], 3)} ms, "
-              f"cuDNN+quant {fmt(ms['cudnn_quant'], 3)} ms", flush=True)
+              f"cuDNN+quant {fmt(ms['cudnn_quant'], 3)} ms, FA4 fused {fmt(ms['fa4_fused'], 3)} ms, "
+              f"FA4+quant {fmt(ms['fa4_quant'], 3)} ms, FA4 attn {fmt(ms['fa4_attention'], 3)} ms", flush=True)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     quant = measure_quant(kernels, device=device, seed=seed, timing=timing, m=quant_shape[0], k=quant_shape[1])
@@ -465,6 +522,49 @@ def target_cudnn(results: dict) -> dict:
     return target(4, text, "not met" if slower else "met", measured + note)
 
 
+def evaluate_fa4_targets(results: dict) -> list[dict]:
+    """Issue 9's targets (FA4 on Hopper), numbered F1..F4: met / not met / not measured."""
+    out = []
+    text = "FA4 fused faster than cuDNN SDPA + quant at every shape where both ran"
+    both = [r for r in results["shapes"] if r["ms"].get("fa4_fused") is not None and r["ms"]["cudnn_quant"] is not None]
+    if not both:
+        out.append(target("F1", text, "not measured", "FA4 fused or cuDNN + quant ran at no shape"))
+    else:
+        worst = min(both, key=lambda r: r["speedup"]["cudnn_quant_over_fa4_fused"])
+        slower = [r["label"] for r in both if r["speedup"]["cudnn_quant_over_fa4_fused"] <= 1.0]
+        measured = f"smallest cuDNN+quant / FA4 fused {worst['speedup']['cudnn_quant_over_fa4_fused']:.2f}x at {worst['label']}"
+        if slower:
+            measured += f"; not faster at {', '.join(slower)}"
+        out.append(target("F1", text, "not met" if slower else "met", measured))
+    text = "moonshot: FA4 fused faster than cuDNN attention alone at MLA 2 x 8192"
+    found = [r for r in find_shapes(results, attention="MLA", batch=2, seqlen=8192)
+             if r["speedup"].get("cudnn_attention_over_fa4_fused") is not None]
+    if not found:
+        out.append(target("F2", text, "not measured", "FA4 fused or cuDNN attention missing at MLA 2 x 8192"))
+    else:
+        xs = [r["speedup"]["cudnn_attention_over_fa4_fused"] for r in found]
+        measured = "; ".join(f"{r['label']}: cuDNN attn / FA4 fused {x:.2f}x" for r, x in zip(found, xs))
+        out.append(target("F2", text, "met" if all(x > 1.0 for x in xs) else "not met", measured))
+    text = f"FA4 fused >= {FA4_MLA128_TARGET_SPEEDUP:.2f}x faster than FA4 bf16 + quant at MLA, 128 heads, 32 x 512"
+    found = find_shapes(results, attention="MLA", heads=128, batch=32, seqlen=512)
+    x = found[0]["speedup"].get("fa4_quant_over_fa4_fused") if found else None
+    if x is None:
+        out.append(target("F3", text, "not measured", "FA4 fused or FA4 + quant missing at that shape"))
+    else:
+        out.append(target("F3", text, "met" if x >= FA4_MLA128_TARGET_SPEEDUP else "not met", f"{x:.2f}x"))
+    text = f"NVFP4 epilogue adds <= {(FA4_EPILOGUE_MAX_OVERHEAD - 1) * 100:.0f}% over FA4 bf16 alone at 2 x 8192"
+    found = [r for r in find_shapes(results, batch=2, seqlen=8192)
+             if r["speedup"].get("fa4_fused_over_fa4_attention") is not None]
+    if not found:
+        out.append(target("F4", text, "not measured", "FA4 fused or FA4 attn missing at 2 x 8192"))
+    else:
+        xs = [r["speedup"]["fa4_fused_over_fa4_attention"] for r in found]
+        measured = "; ".join(f"{r['label']}: {(x - 1) * 100:+.1f}%" for r, x in zip(found, xs))
+        out.append(target("F4", text, "met" if all(x <= FA4_EPILOGUE_MAX_OVERHEAD for x in xs) else "not met",
+                          measured))
+    return out
+
+
 def evaluate_targets(results: dict) -> list[dict]:
     """The four targets of the issue, each met / not met / not measured with the measured number."""
     return [target_quant(results), target_mla128(results), target_long(results), target_cudnn(results)]
@@ -483,7 +583,8 @@ def fmt(x: float | None, digits: int) -> str:
 TABLE_HEADER = (
     "attention", "batch", "fused (ms)", "unfused (ms)", "cuDNN+quant (ms)", "unfused/fused", "cuDNN+quant/fused",
     "flash attn (ms)", "cuDNN attn (ms)", "TFLOP/s fused", "TFLOP/s flash", "TFLOP/s cuDNN",
-    "peak fused (MiB)", "peak unfused (MiB)",
+    "peak fused (MiB)", "peak unfused (MiB)", "FA4 fused (ms)", "FA4+quant (ms)", "FA4 attn (ms)",
+    "FA4+quant/FA4 fused", "cuDNN+quant/FA4 fused", "TFLOP/s FA4 fused",
 )
 
 
@@ -503,6 +604,9 @@ def table_rows(results: dict) -> list[list[str]]:
             cell("flash_attention"), cell("cudnn_attention"),
             fmt(tf["fused"], 0), fmt(tf["flash_attention"], 0), fmt(tf["cudnn_attention"], 0),
             fmt(peak["fused"], 0), fmt(peak["unfused"], 0),
+            fmt(ms.get("fa4_fused"), 3), fmt(ms.get("fa4_quant"), 3), fmt(ms.get("fa4_attention"), 3),
+            fmt(sp.get("fa4_quant_over_fa4_fused"), 2), fmt(sp.get("cudnn_quant_over_fa4_fused"), 2),
+            fmt(tf.get("fa4_fused"), 0),
         ])
     return rows
 
@@ -547,7 +651,8 @@ def cudnn_refusals(results: dict) -> dict[str, list[str]]:
 
 def our_errors(results: dict) -> list[str]:
     """'label, path: reason' for every failure of our kernels (not cuDNN's)."""
-    lines = [f"{r['label']}, {p}: {e}" for r in results["shapes"] for p, e in r["errors"].items() if not p.startswith("cudnn")]
+    lines = [f"{r['label']}, {p}: {e}" for r in results["shapes"] for p, e in r["errors"].items()
+             if not p.startswith("cudnn") and not e.startswith("FA4 unavailable")]
     lines += [f"{name}: {results[name]['error']}" for name in ("quant", "copy")
               if results.get(name) and results[name].get("error")]
     return lines
@@ -582,6 +687,9 @@ def report_text(results: dict, meta: dict) -> str:
     parts += [f"WARNING {line}" for line in check_warnings(results)]
     parts.append("\nTargets:")
     parts += [f"  [{status_word(t['status'])}] ({t['id']}) {t['text']}: {t['measured']}" for t in results.get("targets") or evaluate_targets(results)]
+    if results.get("fa4_targets"):
+        parts.append("FA4 targets (issue 9):")
+        parts += [f"  [{status_word(t['status'])}] ({t['id']}) {t['text']}: {t['measured']}" for t in results["fa4_targets"]]
     return "\n".join(parts)
 
 
@@ -613,6 +721,9 @@ def render_docs_section(results: dict, meta: dict) -> str:
         "`nvfp4_quant.quantize`; cuDNN + quant = SDPA with the cuDNN backend on [B, H, S, D] views, "
         "`.transpose(1, 2).reshape(T, H*Dv)` and the same quantize (all timed). Global scale = 448 * 6 / amax "
         "of the bf16 attention output. TFLOP/s count QK^T and PV over the causal half, diagonal included. "
+        "FA4 fused = `fa4_attention_nvfp4_varlen` (FlashAttention-4's SM90 kernel with our NVFP4 epilogue); "
+        "FA4 + quant = `fa4_attention_varlen` (FA4's own bf16 forward) + the same quantize; FA4 attn = FA4 bf16 alone; "
+        "'n/a' in the FA4 columns: FA4 unavailable (reason below). "
         "Peak memory: above what was allocated before one call that allocates its own outputs.",
         "",
         markdown_table(TABLE_HEADER, table_rows(results), left=2),
@@ -634,6 +745,19 @@ def render_docs_section(results: dict, meta: dict) -> str:
         lines.append(f"- **{status_word(t['status'])}.** ({t['id']}) {t['text']}: {t['measured']}.")
         if t["status"] == "not met":
             lines.append("  - Why not met: see the notes below.")
+    fa4_targets = results.get("fa4_targets")
+    if fa4_targets:
+        fa4_errors = sorted({r["errors"][p] for r in results["shapes"] for p in FA4_PATHS if p in r["errors"]})
+        lines += ["", "FA4 targets (issue 9; medians from this run):", ""]
+        for t in fa4_targets:
+            lines.append(f"- **{status_word(t['status'])}.** ({t['id']}) {t['text']}: {t['measured']}.")
+        if fa4_errors:
+            lines.append("- FA4 paths: " + "; ".join(f"`{code(e)}`" for e in fa4_errors[:3]))
+        checks = [r["check"] for r in results["shapes"] if "fa4_packed_equal" in r["check"]]
+        if checks:
+            same = all(c["fa4_packed_equal"] == 1.0 and c["fa4_scales_equal"] == 1.0 for c in checks)
+            lines.append(f"- FA4 fused bytes equal FA4 bf16 + quantize at {'every' if same else 'not every'} "
+                         f"measured shape ({len(checks)} checked).")
     return "\n".join(lines)
 
 
@@ -783,6 +907,7 @@ def main(argv: list[str] | None = None) -> int:
     timing = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms}
     results = run_benchmark(kernels, benchmark_shapes(args.quick), seed=args.seed, timing=timing)
     results["targets"] = evaluate_targets(results)
+    results["fa4_targets"] = evaluate_fa4_targets(results)
 
     args.out.mkdir(parents=True, exist_ok=True)
     png, json_path = args.out / "attention_bench.png", args.out / "attention_bench.json"

@@ -3,7 +3,8 @@
 Importing the package registers the ``torch.ops.fusion_pass`` op library.
 
 * :class:`FusionPass` / :func:`enable`: the Inductor post-grad pass and its registration;
-* :func:`backends`: the fused-attention backends and why each is (un)available;
+* :func:`list_backends` (:func:`fusion_pass.backends.list_backends`): the fused-attention
+  backends and why each is (un)available;
 * :mod:`fusion_pass.debug`: graph dumps.
 """
 
@@ -13,9 +14,10 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from fusion_pass import ops  # noqa: F401,E402  (registers torch.ops.fusion_pass.*)
-from fusion_pass import backends, debug  # noqa: E402  (fusion_pass.backends() lists them)
+from fusion_pass import backends, debug  # noqa: E402
+from fusion_pass.backends import list_backends  # noqa: E402
 from fusion_pass.fusion import FusionPass, enable  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["FusionPass", "backends", "debug", "enable"]
+__all__ = ["FusionPass", "backends", "debug", "enable", "list_backends"]

@@ -10,13 +10,18 @@ ops (:mod:`fusion_pass.ops`) call its :meth:`~Backend.run`.
 Three backends, in preference order:
 
 ``fa4``
-    FlashAttention-4 (``flash_attn.cute``) varlen forward with NVFP4 output:
-    ``out`` viewed as ``float4_e2m1fn_x2``, ``output_scale`` the global scale,
-    ``output_scales`` the swizzled scale buffer viewed as ``float8_e4m3fn``.
-    Available only on SM100/SM110 when the installed FA4 has those arguments.
-    **Never run in this project's environments** (no Blackwell GPU, no FA4
-    release with NVFP4 output); its argument building (:func:`fa4_call_kwargs`)
-    and its input preparation (:func:`prefill_qkv`) are tested on the CPU.
+    FlashAttention-4 (``flash_attn.cute``, the ``fa4`` extra). On SM90 (H100,
+    H200): FA4's own SM90 kernel with our NVFP4 epilogue,
+    :func:`fusion_pass.kernels.fa4_attention_nvfp4_varlen` (``docs/fa4.md``);
+    available when ``flash_attn.cute`` and our subclass import
+    (:func:`fa4_sm90_availability`), run and byte-checked on an H200. On
+    SM100/SM110: FA4's varlen forward with native NVFP4 output (``out`` viewed
+    as ``float4_e2m1fn_x2``, ``output_scale`` the global scale,
+    ``output_scales`` the swizzled scale buffer viewed as ``float8_e4m3fn``),
+    available only when the installed FA4 has those arguments
+    (:func:`fa4_availability`); no FA4 release has them and no Blackwell GPU
+    is in this project's environments, so that path was **never run**; its
+    argument building (:func:`fa4_call_kwargs`) is tested on the CPU.
 ``triton``
     The project's Triton flash-attention with an NVFP4 epilogue, called through
     ``fusion_pass.kernels.<TRITON_ENTRY_POINT>`` (contract in
@@ -42,12 +47,11 @@ order of precedence:
 4. ``auto``.
 
 Availability is detected once per process and cached (:func:`refresh` re-detects).
+:func:`list_backends` lists every backend with its availability and reason (the
+``fusion-pass backends`` command prints it).
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 import contextvars
 import functools
@@ -74,7 +78,7 @@ __all__ = [
     "FA4Backend",
     "TritonBackend",
     "ReferenceBackend",
-    "backends",
+    "list_backends",
     "get_backend",
     "select_backend",
     "configured_backend",
@@ -82,6 +86,7 @@ __all__ = [
     "use_backend",
     "refresh",
     "fa4_availability",
+    "fa4_sm90_availability",
     "fa4_call_kwargs",
     "triton_availability",
     "prefill_qkv",
@@ -258,13 +263,47 @@ def fa4_availability(
     return True, f"flash_attn.cute varlen forward with NVFP4 output on sm_{major}{minor}"
 
 
+FA4_INSTALL_HINT = "pip install 'attn-nvfp4-fusion[fa4]'"
+
+
+def fa4_sm90_availability(
+    module: Any,
+    capability: tuple[int, int],
+    *,
+    import_error: str | None = None,
+    kernel_status: tuple[bool, str] | None = None,
+) -> tuple[bool, str]:
+    """Decide whether the FA4 backend can run on an SM90 GPU, from injected facts (pure).
+
+    Args:
+        module: the imported ``flash_attn.cute`` module, or ``None`` when the import failed.
+        capability: ``(major, minor)`` of the CUDA device; major must be 9.
+        import_error: why the import failed (used when ``module`` is None).
+        kernel_status: ``(ok, why)`` of importing our subclass
+            (:func:`fusion_pass.kernels.fa4_sm90.fa4_import_status`); default: ask it.
+    """
+    if module is None:
+        return False, import_error or f"flash_attn.cute is not installed ({FA4_INSTALL_HINT})"
+    major, minor = capability
+    if major != 9:
+        return False, f"the SM90 kernel needs an SM90 GPU, found sm_{major}{minor}"
+    if kernel_status is None:
+        from fusion_pass.kernels.fa4_sm90 import fa4_import_status
+
+        kernel_status = fa4_import_status()
+    ok, why = kernel_status
+    if not ok:
+        return False, why
+    return True, f"FA4 SM90 forward with the fusion_pass NVFP4 epilogue on sm_{major}{minor} ({why})"
+
+
 def _import_fa4() -> tuple[Any, str | None]:
     """``(flash_attn.cute module, None)`` or ``(None, why it did not import)``."""
     try:
         module = importlib.import_module("flash_attn.cute")
     except ModuleNotFoundError as exc:
         if exc.name in ("flash_attn", "flash_attn.cute"):
-            return None, "flash_attn.cute is not installed"
+            return None, f"flash_attn.cute is not installed ({FA4_INSTALL_HINT})"
         return None, f"flash_attn.cute failed to import: {exc}"
     except Exception as exc:  # a broken install must not break the op: report it
         return None, f"flash_attn.cute failed to import: {type(exc).__name__}: {exc}"
@@ -281,9 +320,12 @@ def _device_capability(index: int | None) -> tuple[int, int] | None:
 @functools.lru_cache(maxsize=None)
 def _fa4_status() -> tuple[bool, str]:
     module, error = _import_fa4()
+    capability = _device_capability(None)
+    if capability is not None and capability[0] == 9:
+        return fa4_sm90_availability(module, capability, import_error=error)
     if module is None:
         return fa4_availability(None, None, import_error=error)
-    return fa4_availability(module, _device_capability(None))
+    return fa4_availability(module, capability)
 
 
 def fa4_call_kwargs(
@@ -337,10 +379,11 @@ def fa4_call_kwargs(
 
 
 class FA4Backend:
-    """FlashAttention-4 varlen forward with NVFP4 output (SM100/SM110).
+    """FlashAttention-4 with NVFP4 output: our SM90 kernel on SM90, FA4's native
+    NVFP4 output arguments on SM100/SM110 (module docstring).
 
-    ``varlen_func`` replaces ``flash_attn.cute.flash_attn_varlen_func`` in
-    :meth:`run` (tests inject a PyTorch stand-in; nothing else should).
+    ``varlen_func`` replaces ``flash_attn.cute.flash_attn_varlen_func`` in the
+    SM100/SM110 path of :meth:`run` (tests inject a PyTorch stand-in; nothing else should).
     """
 
     name = "fa4"
@@ -357,9 +400,13 @@ class FA4Backend:
             return ok, why
         device = torch.device(device)
         capability = _device_capability(device.index)
+        if capability is not None and capability[0] == 9:
+            from fusion_pass.kernels.fa4_sm90 import fa4_sm90_usable
+
+            return fa4_sm90_usable(device, dtype, num_heads, qk_head_dim, v_head_dim)
         if capability is None or capability[0] not in (10, 11):
             found = "no CUDA device" if capability is None else f"sm_{capability[0]}{capability[1]}"
-            return False, f"fa4 needs an SM100/SM110 GPU, {device} is {found}"
+            return False, f"fa4 needs an SM90 or SM100/SM110 GPU, {device} is {found}"
         standard = 8 <= qk_head_dim <= 128 and 8 <= v_head_dim <= 128 and qk_head_dim % 8 == 0
         if not (standard or (qk_head_dim, v_head_dim) == (192, 128)):
             return False, (
@@ -371,9 +418,29 @@ class FA4Backend:
         return True, "ok"
 
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
-        """Untested here: no SM100 GPU and no FA4 release with NVFP4 output exist in this
-        project's environments. The scale buffer is zeroed first so its padding entries
-        are zero whatever the kernel writes to rows it does not own."""
+        """SM90: :func:`fusion_pass.kernels.fa4_attention_nvfp4_varlen` (it zeroes the scale
+        buffer's padding rows itself). SM100/SM110, untested here (no SM100 GPU and no FA4
+        release with NVFP4 output exist in this project's environments): the scale buffer is
+        zeroed first so its padding entries are zero whatever the kernel writes."""
+        capability = _device_capability(torch.device(output.device).index) if output.is_cuda else None
+        if self._varlen_func is None and capability is not None and capability[0] == 9:
+            from fusion_pass.kernels import fa4_attention_nvfp4_varlen
+
+            q, k, v = prefill_qkv(impl, inputs, spec)
+            cu_seqlens, max_seqlen = varlen_meta(spec, q.device)
+            fa4_attention_nvfp4_varlen(
+                q,
+                k,
+                v,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                softmax_scale=impl.softmax_scale,
+                causal=True,
+                output=output.view(torch.uint8),
+                output_scale=output_scale,
+                output_block_scale=output_block_scale,
+            )
+            return
         func = self._varlen_func
         if func is None:
             module, error = _import_fa4()
@@ -601,7 +668,7 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"unknown backend {name!r}; backends: {', '.join(BACKEND_ORDER)}") from None
 
 
-def backends() -> list[dict[str, Any]]:
+def list_backends() -> list[dict[str, Any]]:
     """One entry per backend, in preference order: ``{"name", "available", "reason"}``."""
     result = []
     for name in BACKEND_ORDER:
@@ -647,13 +714,3 @@ def refresh() -> None:
     _fa4_status.cache_clear()
     _triton_status.cache_clear()
     _device_capability.cache_clear()
-
-
-class _CallableModule(types.ModuleType):
-    """Lets ``fusion_pass.backends()`` list the backends while the module stays importable."""
-
-    def __call__(self) -> list[dict[str, Any]]:
-        return backends()
-
-
-sys.modules[__name__].__class__ = _CallableModule

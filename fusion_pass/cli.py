@@ -131,9 +131,9 @@ def _run_dump(args: argparse.Namespace) -> int:
 
 
 def _run_backends() -> int:
-    from fusion_pass.backends import backends
+    from fusion_pass.backends import list_backends
 
-    for entry in backends():
+    for entry in list_backends():
         state = "available" if entry["available"] else "unavailable"
         print(f"{entry['name']:<10} {state:<12} {entry['reason']}")
     return 0

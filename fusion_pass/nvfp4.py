@@ -1,7 +1,7 @@
 """Reference NVFP4 quantization (pure PyTorch, any device).
 
 This module is the numeric oracle of the project: it produces exactly the bytes
-described in ``/work/shared/NVFP4.md`` (the semantics of vLLM's
+described in the shared ``NVFP4.md`` contract (the semantics of vLLM's
 ``scaled_fp4_quant``), so GPU producers can be compared to it byte for byte.
 
 Format summary (see ``docs/nvfp4.md`` for the full description):

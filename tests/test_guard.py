@@ -395,13 +395,14 @@ def test_width_not_divisible_by_16_is_rejected():
 
 
 def test_backends_lists_all_three_in_order_with_reasons():
-    listing = backends.backends()
+    listing = backends.list_backends()
     assert [b["name"] for b in listing] == ["fa4", "triton", "reference"]
     assert all(isinstance(b["available"], bool) and b["reason"] for b in listing)
     fa4, triton, reference = listing
     assert reference["available"] is True
     if importlib.util.find_spec("flash_attn") is None:
-        assert fa4 == {"name": "fa4", "available": False, "reason": "flash_attn.cute is not installed"}
+        assert fa4 == {"name": "fa4", "available": False,
+                       "reason": "flash_attn.cute is not installed (pip install 'attn-nvfp4-fusion[fa4]')"}
     if not torch.cuda.is_available():
         assert fa4["available"] is False and triton["available"] is False
         if importlib.util.find_spec("fusion_pass.kernels") is None:
@@ -414,14 +415,14 @@ def test_backends_lists_all_three_in_order_with_reasons():
 
 def test_availability_is_cached(monkeypatch):
     backends.refresh()
-    backends.backends()
+    backends.list_backends()
     calls = []
     try:
         with monkeypatch.context() as m:
             m.setattr(backends, "_import_fa4", lambda: calls.append("fa4") or (None, "x"))
             m.setattr(backends, "triton_availability", lambda: calls.append("triton") or (False, "x"))
             for _ in range(3):
-                backends.backends()
+                backends.list_backends()
                 _decide(SPECS["prefill"])
             assert calls == []
             backends.refresh()

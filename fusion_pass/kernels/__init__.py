@@ -8,7 +8,14 @@ Public entry points (every argument checked up front):
 * :func:`quantize` -> the Triton NVFP4 quantizer, same bytes as
   :func:`fusion_pass.nvfp4.quantize_reference`;
 * :func:`flash_attention_nvfp4_varlen`: the ``triton`` fused backend's call,
-  writing into the attention op's buffers.
+  writing into the attention op's buffers;
+* :func:`fa4_attention_varlen` / :func:`fa4_attention_nvfp4_varlen`
+  (:mod:`fusion_pass.kernels.fa4_sm90`): FlashAttention-4's SM90 forward, bf16/fp16
+  output or NVFP4 output through our epilogue (the ``fa4`` fused backend's call).
+
+This package takes tensors and returns tensors: it imports neither
+:mod:`fusion_pass.backends` nor :mod:`fusion_pass.runtime` (who picks a kernel for a
+batch lives above it).
 
 Shapes: ``q [T, H, Dqk]``, ``k [T, Hkv, Dqk]``, ``v [T, Hkv, Dv]`` (token-major,
 sequences packed along ``T``), ``cu_seqlens`` int32 ``[B + 1]`` with
@@ -20,15 +27,16 @@ Backends of the attention entry points (``backend=``):
     :mod:`fusion_pass.kernels.flash_attention`: CUDA tensors, or CPU tensors
     under Triton's interpreter (``TRITON_INTERPRET=1``, tests only).
 ``fa4``
-    ``flash_attn.cute.flash_attn_varlen_func`` (NVFP4 output on SM100/SM110
-    with an FA4 that has the NVFP4 arguments); never run in this project's
-    environments, see :mod:`fusion_pass.backends`.
+    FlashAttention-4 on SM90 (H100/H200; needs the ``fa4`` extra): ``attention``
+    is FA4's own varlen forward, ``attention_nvfp4`` FA4's SM90 kernel with our
+    NVFP4 epilogue (bytes equal to :func:`quantize` of FA4's bf16/fp16 output).
+    Head dims ``(D, Dv)`` in :data:`fusion_pass.kernels.fa4_sm90.SUPPORTED_HEAD_DIMS`.
 ``reference``
     float32 PyTorch attention per sequence, then (NVFP4) the reference
     quantizer. Any device.
 ``auto``
-    ``fa4`` when available for the device, else ``triton`` for CUDA tensors,
-    else ``reference``.
+    ``fa4`` when available for the tensors (SM90, FA4 importable, supported
+    head dims), else ``triton`` for CUDA tensors, else ``reference``.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ import torch
 from torch import Tensor
 
 from fusion_pass import nvfp4
+from fusion_pass.dense import attention_with_lse
+from fusion_pass.kernels.checks import check_qkv, describe
+from fusion_pass.kernels.fa4_sm90 import fa4_attention_nvfp4_varlen, fa4_attention_varlen, fa4_sm90_usable
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -47,11 +58,13 @@ __all__ = [
     "attention_nvfp4",
     "quantize",
     "flash_attention_nvfp4_varlen",
+    "fa4_attention_varlen",
+    "fa4_attention_nvfp4_varlen",
+    "fa4_sm90_usable",
     "interpreter_enabled",
 ]
 
 ATTENTION_BACKENDS = ("auto", "triton", "fa4", "reference")
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def interpreter_enabled() -> bool:
@@ -64,42 +77,10 @@ def interpreter_enabled() -> bool:
 # ---------------------------------------------------------------------------
 
 
-def _describe(t) -> str:
-    return f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, Tensor) else repr(t)
-
-
-def _check_qkv(fn: str, q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or t.dim() != 3:
-            layout = {"q": "[T, H, Dqk]", "k": "[T, Hkv, Dqk]", "v": "[T, Hkv, Dv]"}[name]
-            raise ValueError(f"{fn}: {name} must be a 3-D tensor {layout}, got {_describe(t)}")
-        if t.dtype not in _HALF:
-            raise TypeError(f"{fn}: {name} must be float16 or bfloat16, got {t.dtype}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{fn}: {name} must have unit stride along its last (head) dim, got strides {t.stride()}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"{fn}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    t, h, dqk = q.shape
-    if k.shape[0] != t or v.shape[0] != t:
-        raise ValueError(
-            f"{fn}: q, k, v must have the same number of tokens T, got q {list(q.shape)}, "
-            f"k {list(k.shape)}, v {list(v.shape)}"
-        )
-    if k.shape[2] != dqk:
-        raise ValueError(f"{fn}: k must be [T, Hkv, Dqk] with q's Dqk={dqk}, got {list(k.shape)}")
-    hkv = k.shape[1]
-    if v.shape[1] != hkv:
-        raise ValueError(f"{fn}: v must be [T, Hkv, Dv] with k's Hkv={hkv}, got {list(v.shape)}")
-    if hkv == 0 or h % hkv != 0:
-        raise ValueError(f"{fn}: q's heads H={h} must be a multiple of k/v's heads Hkv={hkv}")
-
-
 def _check_varlen(fn: str, q: Tensor, cu_seqlens, max_seqlen) -> None:
     """Checks ``cu_seqlens``'s values too: one small device-to-host copy."""
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 tensor [B + 1], got {_describe(cu_seqlens)}")
+        raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens)}")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{fn}: cu_seqlens must have B + 1 >= 2 entries, got {cu_seqlens.numel()}")
     if cu_seqlens.device != q.device:
@@ -130,7 +111,7 @@ def _check_softmax_scale(fn: str, softmax_scale) -> None:
 
 def _check_global_scale(fn: str, global_scale, device: torch.device) -> None:
     if not isinstance(global_scale, Tensor) or global_scale.dtype != torch.float32 or global_scale.numel() != 1:
-        raise ValueError(f"{fn}: global_scale must be a one-element float32 tensor, got {_describe(global_scale)}")
+        raise ValueError(f"{fn}: global_scale must be a one-element float32 tensor, got {describe(global_scale)}")
     if global_scale.device != device:
         raise ValueError(f"{fn}: global_scale must be on q's device {device}, got {global_scale.device}")
     value = global_scale.item()
@@ -159,13 +140,7 @@ def _triton_usable(device: torch.device) -> tuple[bool, str]:
 
 
 def _fa4_usable(q: Tensor, v: Tensor) -> tuple[bool, str]:
-    from fusion_pass import backends
-
-    fa4 = backends.get_backend("fa4")
-    ok, why = fa4.available()
-    if not ok:
-        return ok, why
-    return fa4.supports(q.device, q.dtype, q.shape[1], q.shape[2], v.shape[2])
+    return fa4_sm90_usable(q.device, q.dtype, q.shape[1], q.shape[2], v.shape[2])
 
 
 def _choose(fn: str, backend: str, q: Tensor, v: Tensor) -> str:
@@ -193,35 +168,12 @@ def _choose(fn: str, backend: str, q: Tensor, v: Tensor) -> str:
 
 def _reference_attention(q, k, v, cu_seqlens, causal, softmax_scale) -> Tensor:
     """float32 ``[T, H, Dv]``: dense attention per sequence."""
-    from fusion_pass.runtime.dense import attention_with_lse
-
     starts = cu_seqlens.tolist()
     out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
     for a, b in zip(starts[:-1], starts[1:]):
         if b > a:
             out[a:b] = attention_with_lse(q[a:b], k[a:b], v[a:b], scale=softmax_scale, causal=causal)[0]
     return out
-
-
-def _fa4_call(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, **nvfp4_outputs):
-    from fusion_pass import backends
-
-    module, error = backends._import_fa4()
-    if module is None:
-        raise RuntimeError(f"fa4: {error}")
-    if nvfp4_outputs:
-        kwargs = backends.fa4_call_kwargs(
-            q=q, k=k, v=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
-            num_heads=q.shape[1], v_head_dim=v.shape[2], **nvfp4_outputs,
-        )
-        kwargs["causal"] = causal
-        module.flash_attn_varlen_func(**kwargs)
-        return None
-    result = module.flash_attn_varlen_func(
-        q=q, k=k, v=v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen, softmax_scale=softmax_scale, causal=causal,
-    )
-    return result[0] if isinstance(result, tuple) else result
 
 
 # ---------------------------------------------------------------------------
@@ -256,7 +208,7 @@ def attention(
         ``[T, H, Dv]`` in q's dtype.
     """
     fn = "attention"
-    _check_qkv(fn, q, k, v)
+    check_qkv(fn, q, k, v)
     _check_varlen(fn, q, cu_seqlens, max_seqlen)
     _check_softmax_scale(fn, softmax_scale)
     chosen = _choose(fn, backend, q, v)
@@ -266,7 +218,7 @@ def attention(
 
         return flash_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=scale)
     if chosen == "fa4":
-        return _fa4_call(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+        return fa4_attention_varlen(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=scale)
     return _reference_attention(q, k, v, cu_seqlens, causal, scale).to(q.dtype)
 
 
@@ -296,7 +248,7 @@ def attention_nvfp4(
         in the 128x4 swizzled layout, padding zero.
     """
     fn = "attention_nvfp4"
-    _check_qkv(fn, q, k, v)
+    check_qkv(fn, q, k, v)
     _check_varlen(fn, q, cu_seqlens, max_seqlen)
     _check_softmax_scale(fn, softmax_scale)
     _check_global_scale(fn, global_scale, q.device)
@@ -315,9 +267,11 @@ def attention_nvfp4(
     if chosen == "fa4":
         rows, cols = nvfp4.scale_shape(t, h * dv)
         packed = torch.empty((t, h * dv // 2), dtype=torch.uint8, device=q.device)
-        scales = torch.zeros((rows, cols), dtype=torch.float8_e4m3fn, device=q.device)
-        _fa4_call(q, k, v, cu_seqlens, max_seqlen, causal, scale,
-                  output=packed, output_scale=global_scale, output_block_scale=scales)
+        scales = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=q.device)
+        fa4_attention_nvfp4_varlen(
+            q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=scale, causal=causal,
+            output=packed, output_scale=global_scale, output_block_scale=scales,
+        )
         return packed, scales
     out = _reference_attention(q, k, v, cu_seqlens, causal, scale)
     return nvfp4.quantize_reference(out.reshape(t, h * dv), global_scale, swizzled=True)
@@ -363,11 +317,11 @@ def flash_attention_nvfp4_varlen(
     from fusion_pass.kernels.flash_attention import flash_attention_nvfp4
 
     fn = "flash_attention_nvfp4_varlen"
-    _check_qkv(fn, q, k, v)
+    check_qkv(fn, q, k, v)
     if v.shape[2] % nvfp4.BLOCK_SIZE != 0:
         raise ValueError(f"{fn}: v's head dim must be divisible by 16, got {v.shape[2]}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.device != q.device:
-        raise ValueError(f"{fn}: cu_seqlens must be int32 [B + 1] on {q.device}, got {_describe(cu_seqlens)}")
+        raise ValueError(f"{fn}: cu_seqlens must be int32 [B + 1] on {q.device}, got {describe(cu_seqlens)}")
     flash_attention_nvfp4(
         q, k, v, cu_seqlens, max_seqlen, output_scale, causal=causal, softmax_scale=softmax_scale,
         packed=output.view(torch.uint8), scales=output_block_scale,

@@ -19,7 +19,7 @@ from fusion_pass.runtime.context import (
     snapshot_kv_caches,
     unregister_layer,
 )
-from fusion_pass.runtime.dense import attention_with_lse, merge_attention
+from fusion_pass.dense import attention_with_lse, merge_attention
 from fusion_pass.runtime.mla import MLAAttentionImpl
 from fusion_pass.runtime.standard import AttentionImpl
 

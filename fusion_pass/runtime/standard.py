@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from fusion_pass.runtime.context import BatchSpec, _RequestCache
-from fusion_pass.runtime.dense import attention_with_lse
+from fusion_pass.dense import attention_with_lse
 
 __all__ = ["AttentionImpl"]
 

@@ -1,7 +1,9 @@
-"""Dense float32 attention returning the log-sum-exp, and the LSE merge.
+"""Dense float32 attention returning the log-sum-exp, and the LSE merge: the attention oracle.
 
-These are the two primitives both runtimes are built from.  Everything is
-computed in float32 whatever the input dtype, on the inputs' device.
+The two primitives both runtimes are built from, and the ``reference`` body of
+the kernels' entry points (it sits below both, as :mod:`fusion_pass.nvfp4`
+does). Everything is computed in float32 whatever the input dtype, on the
+inputs' device.
 """
 
 from __future__ import annotations
