@@ -446,30 +446,35 @@ def _qk_head_dim(impl) -> int:
     return impl.head_dim
 
 
-def _half_prefill_available(q: Tensor, spec) -> bool:
-    return (
-        q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and spec.num_decode_tokens == 0
-        and not spec.has_chunked_prefill
-        and backends.get_backend("triton").available()[0]
-    )
+def _half_prefill_kernel(impl, q: Tensor, spec) -> str | None:
+    """The kernel backend (``"fa4"`` or ``"triton"``) that computes a pure-prefill batch's attention in
+    the query dtype on CUDA: the one the guard would pick for the fused call, so that the unfused path
+    and the fused one share their main loop. None: the layer's PyTorch runtime computes it."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and spec.num_decode_tokens == 0 and not spec.has_chunked_prefill):
+        return None
+    backend, _ = backends.select_backend(q.device, q.dtype, impl.num_heads, _qk_head_dim(impl), impl.v_head_dim)
+    return backend.name if backend is not None and backend.name in ("fa4", "triton") else None
 
 
 def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
     """The batch's attention ``[T, H, Dv]``, appending the new tokens to the layer's cache.
 
-    Pure-prefill batches on CUDA run the Triton flash-attention kernel (output in
-    the query dtype, as a serving attention backend returns it); everything else
-    runs the layer's PyTorch runtime (float32).
+    Pure-prefill batches on CUDA run the flash-attention kernel of the backend the
+    guard selects (FA4's SM90 forward or the Triton kernel; output in the query
+    dtype, as a serving attention backend returns it); everything else runs the
+    layer's PyTorch runtime (float32).
     """
-    if _half_prefill_available(q, spec):
-        from fusion_pass.kernels.flash_attention import flash_attention
-
-        q, k, v = backends.prefill_qkv(impl, inputs, spec)
-        cu_seqlens, max_seqlen = backends.varlen_meta(spec, q.device)
-        return flash_attention(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=impl.softmax_scale)
-    return impl.forward(*inputs, spec)
+    name = _half_prefill_kernel(impl, q, spec)
+    if name is None:
+        return impl.forward(*inputs, spec)
+    if name == "fa4":
+        from fusion_pass.kernels.fa4_sm90 import fa4_attention_varlen as flash
+    else:
+        from fusion_pass.kernels.flash_attention import flash_attention as flash
+    q, k, v = backends.prefill_qkv(impl, inputs, spec)
+    cu_seqlens, max_seqlen = backends.varlen_meta(spec, q.device)
+    return flash(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=impl.softmax_scale)
 
 
 def _cache_rollback(impl):
