@@ -144,7 +144,7 @@ class FusionPass(CustomGraphPass):
         for node in candidates:
             role = attention_ops[matcher.wrapped_op(node)[0]]
             pattern = by_role.get(role)
-            layer = node.kwargs.get("layer_name")
+            layer = matcher.layer_label(node)
             report.candidates += 1
             if pattern is None:
                 outcome = "pattern_not_enabled"

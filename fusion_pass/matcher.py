@@ -86,6 +86,31 @@ def is_view_of_base(node: Node, arg: str) -> bool:
     return wrapped_op(node)[1] == "v2" and f"_{arg}_size" in node.kwargs
 
 
+def input_names(node: Node, count: int) -> list[str]:
+    """The names of the first ``count`` arguments of the wrapped op: its tensor inputs.
+
+    Vocabularies name them differently (``q``/``k``/``v`` here, ``query``/``key``/``value``
+    in vLLM's standard attention op); the schema is the source of truth.
+    """
+    return [a.name for a in wrapped_op(node)[0]._schema.arguments[:count]]
+
+
+def query_value(attention: Node):
+    """The traced value of the attention op's first input (the query, ``[T, H, Dqk]``)."""
+    return layout.value(attention.kwargs.get(input_names(attention, 1)[0]))
+
+
+def layer_label(attention: Node) -> str | None:
+    """The layer name as text: a string kwarg, or a graph input carrying an opaque object
+    (vLLM's ``LayerName``) whose traced value holds the name."""
+    name = attention.kwargs.get("layer_name")
+    if name is None or isinstance(name, str):
+        return name
+    real = getattr(layout.value(name), "real_obj", None)
+    value = getattr(real, "value", real)
+    return value if isinstance(value, str) else f"<{getattr(name, 'name', name)}>"
+
+
 # ---------------------------------------------------------------- candidates
 
 
@@ -161,7 +186,7 @@ def attention_output_width(attention: Node, tokens) -> int | str:
                 return "attention_output_is_part_of_a_buffer"
         if not layout.tensor_is_row_major(base):
             return "attention_output_not_contiguous"
-    q_val = layout.value(attention.kwargs.get("q"))
+    q_val = query_value(attention)
     written = out if wrapped_op(attention)[1] == "v1" else base
     if not isinstance(q_val, torch.Tensor) or written.dtype != q_val.dtype:
         return "attention_output_dtype_is_not_the_query_dtype"
@@ -175,7 +200,7 @@ def attention_output_width(attention: Node, tokens) -> int | str:
 
 def _facts(attention: Node, width: int) -> Facts | None:
     """Heads from the query's static dims (never guards on the symbolic token count)."""
-    q_val = layout.value(attention.kwargs.get("q"))
+    q_val = query_value(attention)
     if not isinstance(q_val, torch.Tensor) or q_val.dim() != 3 or not isinstance(q_val.shape[1], int):
         return None
     heads = q_val.shape[1]
@@ -230,7 +255,7 @@ def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary
         return "bf16_output_is_not_the_quant_input"
     if broken:
         return broken
-    q_val = layout.value(attention.kwargs.get("q"))
+    q_val = query_value(attention)
     if not isinstance(q_val, torch.Tensor) or q_val.dim() < 1:
         return "unknown_attention_shape"
     tokens = q_val.shape[0]
@@ -298,7 +323,7 @@ def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
     attention, quant = match.attention, match.quant
     template = traced_replacement(match.pattern, vocab, match.form)
     n_inputs = len(match.pattern.inputs)
-    inputs = [attention.kwargs[name] for name in match.pattern.inputs]
+    inputs = [attention.kwargs[name] for name in input_names(attention, n_inputs)]
     placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
     values = inputs + [buffer_arg(attention, "output"), buffer_arg(quant, "output"),
                        buffer_arg(quant, "output_scale"), quant.kwargs["input_scale"]]
@@ -314,7 +339,8 @@ def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
             node.meta.clear()
             if node.target is operator.getitem and not node.users and node not in (new_out, new_scale):
                 graph.erase_node(node)
-    new_attention.update_kwarg("layer_name", attention.kwargs["layer_name"])
+    for name in _passthrough_args(attention, n_inputs):  # layer_name and whatever else the op takes
+        new_attention.update_kwarg(name, attention.kwargs[name])
     for node in (new_attention, new_out, new_scale):  # keep where it came from, for dumps and errors
         node.meta.update({k: v for k, v in attention.meta.items() if k in _PROVENANCE_META})
     out_val = old_out.meta.get("val") if old_out is not None else None
@@ -327,6 +353,17 @@ def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
         old_scale.replace_all_uses_with(new_scale)
     _erase_dead(graph, [quant, *reversed(match.chain), attention])
     return new_attention
+
+
+_REWRITTEN_ARGS = ("output", "output_scale", "output_block_scale")
+
+
+def _passthrough_args(attention: Node, n_inputs: int) -> list[str]:
+    """Arguments the rewrite keeps as they are: every schema argument but the inputs and the outputs
+    (``layer_name``; in vLLM's ops also ``kv_cache_dummy_dep``, which keeps the KV-cache update alive)."""
+    skip = set(input_names(attention, n_inputs)) | set(_REWRITTEN_ARGS)
+    return [a.name for a in wrapped_op(attention)[0]._schema.arguments
+            if a.name not in skip and a.name in attention.kwargs]
 
 
 def _erase_dead(graph: Graph, roots: list[Node]) -> None:
