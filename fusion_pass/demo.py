@@ -60,6 +60,7 @@ class BatchResult:
     tokens: int
     path: str  # "fused" or "fallback", as the run-time guard decided
     reason: str | None  # the fallback reason
+    backend: str | None  # the fused backend(s) that ran, e.g. "fa4" (None on fallback)
     bytes_equal_unfused: bool  # the o_proj's NVFP4 input, byte for byte, vs the unfused graph's
     max_abs_err: float  # max |dequant(with pass) - dequant(unfused)| of the o_proj input
     err_bound: float  # the largest per-element bound that difference is checked against
@@ -130,7 +131,9 @@ def run_lockstep(variants: dict, steps: list[BatchSpec], hidden_size: int, devic
 
 def _counter_delta(before: dict, after: dict) -> dict:
     fallback = {k: v - before["fallback"].get(k, 0) for k, v in after["fallback"].items()}
-    return {"fused": after["fused"] - before["fused"], "fallback": {k: v for k, v in fallback.items() if v}}
+    by_backend = {k: v - before["fused_by_backend"].get(k, 0) for k, v in after["fused_by_backend"].items()}
+    return {"fused": after["fused"] - before["fused"], "fallback": {k: v for k, v in fallback.items() if v},
+            "fused_by_backend": {k: v for k, v in by_backend.items() if v}}
 
 
 def requantization_bound(unfused: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -306,8 +309,9 @@ def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: 
                 reasons = sorted(out["fused"].decisions["fallback"])
                 path = "fallback" if reasons else ("fused" if out["fused"].decisions["fused"] else "unfused")
                 diff = (out["unfused"].output.float() - out["eager"].output.float()).abs().max().item()
+                fused_by = ",".join(sorted(out["fused"].decisions["fused_by_backend"])) or None
                 results.append(BatchResult(name, i, spec.kind, spec.num_tokens, path, ",".join(reasons) or None,
-                                           equal, err, bound, within, diff))
+                                           fused_by, equal, err, bound, within, diff))
         run = DemoRun(results, fusion, fusion.report())
         if timing:
             for name, _, variants, hidden_size in built:
@@ -320,10 +324,10 @@ def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: 
 
 
 def format_table(results: list[BatchResult]) -> str:
-    header = (f"{'model':<5} {'step':>4} {'kind':<8} {'tokens':>6}  {'path':<8} {'reason':<16} "
+    header = (f"{'model':<5} {'step':>4} {'kind':<8} {'tokens':>6}  {'path':<8} {'backend':<9} {'reason':<16} "
               f"{'bytes==unfused':>14} {'max|err|':>10} {'bound':>10}  {'|unfused-eager|':>15}")
     rows = [
-        f"{r.model:<5} {r.step:>4} {r.kind:<8} {r.tokens:>6}  {r.path:<8} {r.reason or '-':<16} "
+        f"{r.model:<5} {r.step:>4} {r.kind:<8} {r.tokens:>6}  {r.path:<8} {r.backend or '-':<9} {r.reason or '-':<16} "
         f"{str(r.bytes_equal_unfused):>14} {r.max_abs_err:>10.3e} {r.err_bound:>10.3e}"
         f"{'' if r.within_bound else '!'} {r.max_abs_diff_eager:>15.3e}"
         for r in results

@@ -26,6 +26,7 @@ import functools
 import importlib.metadata
 import math
 import threading
+import warnings
 
 import torch
 from torch import Tensor
@@ -314,21 +315,25 @@ def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens,
             if kernel.tile_hdimv != dv:  # the epilogue assumes Dv fills the tile (no hdim predication)
                 raise RuntimeError(f"fa4: unexpected FA4 tile for Dv={dv}: tile_hdimv={kernel.tile_hdimv}")
             cu = to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0)
-            cache[key] = cute.compile(
-                kernel,
-                to_cute_tensor(q),
-                to_cute_tensor(k),
-                to_cute_tensor(v),
-                to_cute_tensor(_unused_o(q, dv)),
-                to_cute_tensor(output),
-                to_cute_tensor(scale_bytes, leading_dim=0),
-                to_cute_tensor(output_scale, assumed_align=4, leading_dim=0),
-                softmax_scale,
-                cu,
-                cu,
-                cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-                options=interface._compile_options(),
-            )
+            with warnings.catch_warnings():
+                # FA4's __call__ is traced inside ours; the DSL warns that the AuxData holding our three
+                # tensors is not a JitArgument of that inner call. The tensors are arguments of ours.
+                warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted")
+                cache[key] = cute.compile(
+                    kernel,
+                    to_cute_tensor(q),
+                    to_cute_tensor(k),
+                    to_cute_tensor(v),
+                    to_cute_tensor(_unused_o(q, dv)),
+                    to_cute_tensor(output),
+                    to_cute_tensor(scale_bytes, leading_dim=0),
+                    to_cute_tensor(output_scale, assumed_align=4, leading_dim=0),
+                    softmax_scale,
+                    cu,
+                    cu,
+                    cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                    options=interface._compile_options(),
+                )
         return cache[key]
 
 
