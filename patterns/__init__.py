@@ -5,6 +5,6 @@
 """
 
 from fusion_pass.patterns.attention_quant import PATTERNS, AttentionQuantPattern
-from fusion_pass.patterns.vocabulary import OpVocabulary, fusion_pass_vocabulary
+from fusion_pass.patterns.vocabulary import OpVocabulary, fusion_pass_vocabulary, vllm_vocabulary
 
-__all__ = ["PATTERNS", "AttentionQuantPattern", "OpVocabulary", "fusion_pass_vocabulary"]
+__all__ = ["PATTERNS", "AttentionQuantPattern", "OpVocabulary", "fusion_pass_vocabulary", "vllm_vocabulary"]

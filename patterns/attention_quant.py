@@ -32,7 +32,7 @@ def mla_pattern(ops, q, kv_c_normed, k_pe, output, quant_out, quant_scale, globa
 
 
 def mla_replacement(ops, q, kv_c_normed, k_pe, output, quant_out, quant_scale, global_scale, layer_name):
-    ops.mla_attention(q, kv_c_normed, k_pe, quant_out, layer_name, global_scale, quant_scale)
+    ops.writing_nvfp4("mla_attention")(q, kv_c_normed, k_pe, quant_out, layer_name, global_scale, quant_scale)
     return quant_out, quant_scale
 
 
@@ -47,7 +47,7 @@ def attention_pattern(ops, q, k, v, output, quant_out, quant_scale, global_scale
 
 
 def attention_replacement(ops, q, k, v, output, quant_out, quant_scale, global_scale, layer_name):
-    ops.attention(q, k, v, quant_out, layer_name, global_scale, quant_scale)
+    ops.writing_nvfp4("attention")(q, k, v, quant_out, layer_name, global_scale, quant_scale)
     return quant_out, quant_scale
 
 

@@ -1,0 +1,121 @@
+"""The vLLM adapter without an engine: registration object, vocabulary, version gate, splitting-op
+warning, and vLLM's VLLM_COMPILE path (configure_post_pass and PostGradPassManager's pass order)."""
+
+import copy
+import logging
+import pickle
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fusion_pass_vllm
+from fusion_pass.vllm import FusionPassForVllm, pass_
+
+
+def test_one_liner_object_pickles_deep_copies_and_keeps_its_uuid():
+    p = fusion_pass_vllm.PASS
+    from vllm.compilation.passes.inductor_pass import InductorPass
+
+    assert isinstance(p, InductorPass)
+    p.fusion()  # built: holds OpOverloads and traced templates, which do not pickle
+    for other in (pickle.loads(pickle.dumps(p)), copy.deepcopy(p)):
+        assert type(other) is FusionPassForVllm and other is not p and other._fusion is None
+        assert other.uuid() == p.uuid()
+    import vllm
+
+    assert FusionPassForVllm(("mla_attention_nvfp4_quant",)).uuid() != p.uuid()
+    vllm_version, base = vllm.__version__, p.uuid()
+    try:
+        vllm.__version__ = "0.32.99"
+        assert FusionPassForVllm().uuid() != base, "the uuid includes the vLLM version"
+    finally:
+        vllm.__version__ = vllm_version
+
+
+def test_vllm_vocabulary_names_vllm_ops_and_our_run_time_ops():
+    from fusion_pass.patterns import vllm_vocabulary
+
+    fusion_pass_vllm.PASS.fusion()  # registers our run-time ops
+    vocab = vllm_vocabulary()
+    assert vocab.attention is torch.ops.vllm.unified_attention_with_output.default
+    assert vocab.mla_attention is torch.ops.vllm.unified_mla_attention_with_output.default
+    assert vocab.writing_nvfp4("attention") is torch.ops.fusion_pass.vllm_attention_nvfp4.default
+    assert vocab.writing_nvfp4("mla_attention") is torch.ops.fusion_pass.vllm_mla_attention_nvfp4.default
+    if not hasattr(torch.ops._C, "scaled_fp4_quant"):  # vLLM's CPU build
+        assert vocab.nvfp4_quant is torch.ops.fusion_pass.scaled_fp4_quant.out
+        assert vocab.nvfp4_gemm is torch.ops.fusion_pass.nvfp4_gemm.default
+    # our ops mirror vLLM's schemas argument for argument (kv_cache_dummy_dep, layer_name's type, ...)
+    for ours, theirs in ((vocab.fused_attention, vocab.attention), (vocab.fused_mla_attention, vocab.mla_attention)):
+        assert [(a.name, str(a.type)) for a in ours._schema.arguments] == \
+               [(a.name, str(a.type)) for a in theirs._schema.arguments]
+
+
+def test_other_vllm_versions_are_left_alone_with_the_reason_logged(monkeypatch, caplog):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    p = FusionPassForVllm()
+    with caplog.at_level(logging.WARNING, logger="vllm.fusion_pass"):
+        assert p.fusion() is None
+        graph = torch.fx.Graph()
+        graph.output(None)
+        p(graph)  # a no-op, not an error
+    assert "vllm 0.40.0 is not one of the versions" in p.disabled_reason
+    assert "does not rewrite in this process" in caplog.text
+    assert p.report()["disabled_reason"] == p.disabled_reason
+
+
+def test_attention_as_a_splitting_op_is_named():
+    split = SimpleNamespace(splitting_ops=["vllm::unified_mla_attention_with_output", "vllm::other"],
+                            use_inductor_graph_partition=False)
+    assert pass_.splitting_attention_ops(split) == ["vllm::unified_mla_attention_with_output"]
+    split.use_inductor_graph_partition = True
+    assert pass_.splitting_attention_ops(split) == []
+    assert pass_.splitting_attention_ops(SimpleNamespace(splitting_ops=[], use_inductor_graph_partition=False)) == []
+
+
+VLLM_COMPILE_PROBE = textwrap.dedent('''
+    import logging
+    from vllm.config import CompilationConfig, CompilationMode, VllmConfig, set_current_vllm_config
+    from vllm.compilation.backends import VllmBackend
+    from fusion_pass.vllm import FusionPassForVllm
+
+    def configured(**cc):
+        # vLLM's CUDA-only fusions stay off: their classes are only imported on CUDA (is_cuda_alike)
+        vc = VllmConfig(compilation_config=CompilationConfig(
+            inductor_passes={"post_grad_custom_post_pass": "fusion_pass_vllm.PASS"},
+            pass_config={"fuse_rope_kvcache_cat_mla": False, "fuse_attn_quant": False}, **cc))
+        vc.compilation_config.mode = CompilationMode.VLLM_COMPILE   # what vLLM keeps on CUDA
+        with set_current_vllm_config(vc):
+            backend = VllmBackend(vc)
+            backend.configure_post_pass()
+        return vc, backend
+
+    vc, backend = configured(splitting_ops=[])
+    names = [type(p).__name__ for p in backend.pass_manager.passes]
+    print("PASSES", names)
+    assert names[-1] == "FusionPassForVllm", names
+    assert type(backend.inductor_config["post_grad_custom_post_pass"]).__name__ == "PostGradPassManager"
+    ours = backend.pass_manager.passes[-1]
+    assert isinstance(ours, FusionPassForVllm)
+    # attention as a splitting op: the pass says so when it runs
+    vc, backend = configured(splitting_ops=["vllm::unified_mla_attention_with_output"])
+    import torch
+    g = torch.fx.Graph(); g.output(None)
+    with set_current_vllm_config(vc):
+        backend.pass_manager.passes[-1](g)
+    print("OK")
+''')
+
+
+def test_vllm_compile_mode_accepts_the_pass_last_in_the_post_grad_pass_manager(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", VLLM_COMPILE_PROBE], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "VLLM_DISABLE_COMPILE_CACHE": "1"})
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert "OK" in proc.stdout
+    assert "attention is a splitting op (vllm::unified_mla_attention_with_output)" in log
