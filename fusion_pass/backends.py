@@ -208,6 +208,16 @@ def varlen_meta(spec: Any, device: torch.device) -> tuple[Tensor, int]:
     return cu_seqlens, max(r.query_len for r in spec.requests)
 
 
+def run_fused_kernel(kernel: Callable[..., None], impl: Any, inputs: tuple, spec: Any,
+                     output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
+    """Call a fused NVFP4 entry point of :mod:`fusion_pass.kernels` (``kernel(q, k, v, *, cu_seqlens,
+    max_seqlen, softmax_scale, causal, output, output_scale, output_block_scale)``) on a pure-prefill batch."""
+    q, k, v = prefill_qkv(impl, inputs, spec)
+    cu_seqlens, max_seqlen = varlen_meta(spec, q.device)
+    kernel(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=impl.softmax_scale, causal=True,
+           output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale)
+
+
 # ---------------------------------------------------------------------------
 # fa4
 # ---------------------------------------------------------------------------
@@ -426,20 +436,7 @@ class FA4Backend:
         if self._varlen_func is None and capability is not None and capability[0] == 9:
             from fusion_pass.kernels import fa4_attention_nvfp4_varlen
 
-            q, k, v = prefill_qkv(impl, inputs, spec)
-            cu_seqlens, max_seqlen = varlen_meta(spec, q.device)
-            fa4_attention_nvfp4_varlen(
-                q,
-                k,
-                v,
-                cu_seqlens=cu_seqlens,
-                max_seqlen=max_seqlen,
-                softmax_scale=impl.softmax_scale,
-                causal=True,
-                output=output.view(torch.uint8),
-                output_scale=output_scale,
-                output_block_scale=output_block_scale,
-            )
+            run_fused_kernel(fa4_attention_nvfp4_varlen, impl, inputs, spec, output, output_scale, output_block_scale)
             return
         func = self._varlen_func
         if func is None:
@@ -535,20 +532,8 @@ class TritonBackend:
 
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
         kernels = importlib.import_module("fusion_pass.kernels")
-        q, k, v = prefill_qkv(impl, inputs, spec)
-        cu_seqlens, max_seqlen = varlen_meta(spec, q.device)
-        getattr(kernels, TRITON_ENTRY_POINT)(
-            q,
-            k,
-            v,
-            cu_seqlens=cu_seqlens,
-            max_seqlen=max_seqlen,
-            softmax_scale=impl.softmax_scale,
-            causal=True,
-            output=output.view(torch.uint8),
-            output_scale=output_scale,
-            output_block_scale=output_block_scale,
-        )
+        run_fused_kernel(getattr(kernels, TRITON_ENTRY_POINT), impl, inputs, spec,
+                         output, output_scale, output_block_scale)
 
 
 # ---------------------------------------------------------------------------

@@ -8,7 +8,21 @@ not import triton, importing fusion_pass does.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def clean_backend_state(monkeypatch):
+    """No backend pinned (environment or set_backend), zeroed guard counters; restored after."""
+    from fusion_pass import backends, guard
+
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    previous = backends.set_backend(None)
+    guard.reset_counters()
+    yield
+    backends.set_backend(previous)
+    guard.reset_counters()

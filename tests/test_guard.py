@@ -18,13 +18,8 @@ GQA_DIMS = dict(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
 
 
 @pytest.fixture(autouse=True)
-def _clean_state(monkeypatch):
-    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
-    previous = backends.set_backend(None)
-    guard.reset_counters()
+def _clean_state(clean_backend_state):
     yield
-    backends.set_backend(previous)
-    guard.reset_counters()
 
 
 # ---------------------------------------------------------------- layers and op helpers

@@ -26,13 +26,8 @@ ZERO_COUNTERS = {"fused": 0, "fused_by_backend": {}, "fallback": {}}
 
 
 @pytest.fixture(autouse=True)
-def _clean_state(monkeypatch):
-    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
-    previous = backends.set_backend(None)
-    guard.reset_counters()
+def _clean_state(clean_backend_state):
     yield
-    backends.set_backend(previous)
-    guard.reset_counters()
 
 
 # ---------------------------------------------------------------- layers
