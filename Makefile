@@ -14,8 +14,10 @@ $(VENV)/.base:
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	touch $@
 
+# fa4: FlashAttention-4 imports and compiles its kernels without a GPU, so the CPU suite checks the
+# fa4 backend's detection, arguments and a compile-only build of the SM90 kernel against the real package.
 $(VENV)/.installed: $(VENV)/.base pyproject.toml
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,fa4]"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -6,7 +6,7 @@ own bf16/fp16 output on the same inputs (:func:`fa4_attention_varlen`, the same 
 every output byte is written (two different poisons give the same bytes); the scale
 buffer's padding rows are zero. CPU tests (no FA4 needed): detection reasons and argument
 checks, raised before FA4 is imported. One CPU test compiles (never runs) the SM90 kernel
-when FA4 is installed; CI does not install FA4, so there it skips.
+when FA4 is installed (`make test` installs the fa4 extra; without it, it skips).
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ def test_kernels_do_not_import_backends_or_runtime():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None,
-                    reason="flash_attn.cute is not installed (the fa4 extra); CI does not install it")
+                    reason="flash_attn.cute is not installed (the fa4 extra)")
 def test_sm90_kernel_compiles_on_the_cpu():
     """Compile (never run) the fused SM90 kernel for MLA 192/128 and GQA 128 with fake CUDA
     tensors; no GPU or driver needed (FA4 targets sm_90a from the environment variables)."""

@@ -327,8 +327,8 @@ def test_attention_nvfp4_rejects_bad_global_scale_and_head_dims():
 
 def test_unavailable_backends_say_why(monkeypatch):
     q, k, v, cu = _args()
-    # without FA4: "flash_attn.cute is not installed"; with it (SM90): these head dims are not FA4's
-    with pytest.raises(RuntimeError, match=r"backend 'fa4' is unavailable: .*(flash_attn|head dims)"):
+    # without FA4: "flash_attn.cute is not installed"; with it: CPU tensors, or (SM90) head dims not FA4's
+    with pytest.raises(RuntimeError, match=r"backend 'fa4' is unavailable: .*(flash_attn|head dims|CUDA devices only)"):
         kernels.attention(q, k, v, cu, 6, backend="fa4")
     if not CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
