@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument("--out", metavar="DIR", required=True, help="directory for the dumps (created if missing)")
     _add_run_arguments(dump)
     commands.add_parser("backends", help="list the fused-attention backends and their availability")
+    report = commands.add_parser(
+        "report",
+        help="add up the pass reports that vLLM's processes wrote under FUSION_PASS_DUMP",
+        description="Read DIR/vllm_report_<pid>.json (one per vLLM process that ran the pass, written when "
+        "FUSION_PASS_DUMP=DIR) and print one line per process and the totals: layers rewritten, refusals by "
+        "reason, fused and fallback calls.",
+    )
+    report.add_argument("dir", metavar="DIR", help="the FUSION_PASS_DUMP directory")
+    report.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     return parser
 
 
@@ -139,6 +148,18 @@ def _run_backends() -> int:
     return 0
 
 
+def _run_report(args: argparse.Namespace) -> int:
+    from fusion_pass import process_reports
+
+    try:
+        summary = process_reports.summarize(args.dir)
+    except (FileNotFoundError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2) if args.json else process_reports.format_summary(summary))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -148,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_dump(args)
     if args.command == "backends":
         return _run_backends()
+    if args.command == "report":
+        return _run_report(args)
     parser.print_help()
     return 2
 

@@ -172,3 +172,33 @@ def test_cli_help_and_bad_arguments(capsys):
 def test_cli_reports_missing_cuda(capsys):
     assert cli.main(["demo", "--device", "cuda", "--tiny"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_cli_report_adds_up_process_reports(tmp_path, capsys):
+    """Per-process reports as the vLLM pass writes them (FusionPass.report() of a real compile, plus pid):
+    the command prints one line per process and the sums."""
+    import json
+
+    from fusion_pass import cli
+
+    results, fusion = demo.run_demo(("mla",), tiny=True, layers=1)
+    real = json.loads(json.dumps(fusion.report(), default=str))
+    assert real["rewritten"] == 1 and real["runtime"]["fused"] >= 1
+    second = {**real, "refused": {"quant_rows_are_not_tokens": 2}, "candidates": real["candidates"] + 2}
+    for pid, report in ((101, real), (202, second)):
+        (tmp_path / f"vllm_report_{pid}.json").write_text(
+            json.dumps({**report, "pid": pid, "vllm_version": "0.32.0", "disabled_reason": None}))
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"total: 2 processes, {2 * real['graphs']} graphs, {2 * real['candidates'] + 2} attention layers seen, " \
+           f"2 rewritten, refused: quant_rows_are_not_tokens=2" in out
+    assert f"run time: {2 * real['runtime']['fused']} fused calls" in out
+    assert cli.main(["report", "--json", str(tmp_path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [p["pid"] for p in summary["processes"]] == [101, 202]
+    assert summary["fallback"] == {k: 2 * v for k, v in real["runtime"]["fallback"].items()}
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["report", str(empty)]) == 1
+    assert "no vllm_report_*.json in" in capsys.readouterr().err
