@@ -148,13 +148,13 @@ def _view_kwargs(node: Node, arg: str) -> dict:
             if k.startswith(prefix) and k != f"{prefix}base_index"}
 
 
-def attention_output_width(attention: Node, tokens) -> int | str:
+def attention_output_width(attention: Node, q_val: torch.Tensor) -> int | str:
     """``H*Dv`` when the attention op writes its output as row-major ``[T, H*Dv]`` elements of the value
     the graph carries on (v1: the mutated ``output``; v2: the mutated base), else a refusal reason.
 
     v1: ``output`` must be row-major. v2: ``output`` must be its base, or a row-major view of all of
     it starting where it starts (an alias, a whole slice, or an as_strided view proving that), and the
-    base must be row-major. Either way the written view has ``T`` rows.
+    base must be row-major. Either way the written view has ``T`` rows, ``T = q_val.shape[0]`` (the query).
     """
     if wrapped_op(attention)[1] == "v1":
         out = layout.value(attention.kwargs.get("output"))
@@ -186,9 +186,9 @@ def attention_output_width(attention: Node, tokens) -> int | str:
                 return "attention_output_is_part_of_a_buffer"
         if not layout.tensor_is_row_major(base):
             return "attention_output_not_contiguous"
-    q_val = query_value(attention)
+    tokens = q_val.shape[0]
     written = out if wrapped_op(attention)[1] == "v1" else base
-    if not isinstance(q_val, torch.Tensor) or written.dtype != q_val.dtype:
+    if written.dtype != q_val.dtype:
         return "attention_output_dtype_is_not_the_query_dtype"
     if not size or not layout.known_equal(size[0], tokens):
         return "attention_output_rows_are_not_tokens"
@@ -259,7 +259,7 @@ def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary
     if not isinstance(q_val, torch.Tensor) or q_val.dim() < 1:
         return "unknown_attention_shape"
     tokens = q_val.shape[0]
-    width = attention_output_width(attention, tokens)
+    width = attention_output_width(attention, q_val)
     if isinstance(width, str):
         return width
     if not layout.reads_token_rows(layout.value(node), tokens, width):
