@@ -39,6 +39,8 @@ __all__ = [
     "unswizzle_scales",
     "quantize",
     "quantize_reference",
+    "quantize_rows_into",
+    "zero_scale_padding",
     "dequantize",
     "unpack_codes",
     "codes_to_values",
@@ -356,6 +358,172 @@ def quantize_reference(
     scales = sf_bytes.view(_FP8).reshape(m, n_blocks)
     scales = swizzle_scales(scales) if swizzled else scales.contiguous()
     return packed, scales
+
+
+# --------------------------------------------------------------------------
+# Row ranges of a shared buffer
+# --------------------------------------------------------------------------
+
+
+def _is_int(v) -> bool:
+    import numbers  # numpy integers count as ints
+
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_tensor(fn: str, name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a tensor (got {type(t).__name__})")
+
+
+def _check_swizzled_buffer(fn: str, scales, rows: int, k: int) -> None:
+    """``scales`` is the 128x4 swizzled scale buffer of a ``[rows, k]`` matrix, in one of
+    the forms ``scaled_fp4_quant.out`` accepts, and can be viewed as contiguous bytes."""
+    _check_tensor(fn, "scales", scales)
+    r, cols = scale_shape(rows, k, swizzled=True)
+    forms = {torch.int32: (r, cols // 4), torch.uint8: (r, cols), _FP8: (r, cols)}
+    if forms.get(scales.dtype) != tuple(scales.shape):
+        raise ValueError(
+            f"{fn}: scales must be the swizzled scale buffer of T={rows} rows, K={k}: int32 "
+            f"[{r}, {cols // 4}] (vLLM's allocation) or uint8 / float8_e4m3fn [{r}, {cols}] "
+            f"(round_up(T, 128) x round_up(K/16, 4)) (got {scales.dtype} {list(scales.shape)})"
+        )
+    if not (scales.is_contiguous() and scales.stride(-1) == 1):
+        raise ValueError(f"{fn}: scales must be contiguous (got strides {list(scales.stride())})")
+
+
+def _check_rows_into(fn: str, x, global_scale, packed, scales, row_start) -> None:
+    """Every argument of :func:`quantize_rows_into`; raises before anything is written."""
+    for name, t in (("x", x), ("packed", packed)):
+        _check_tensor(fn, name, t)
+    if x.dim() != 2:
+        raise ValueError(f"{fn}: x must be a 2-D tensor [M, K] (got shape {list(x.shape)})")
+    _check_x(fn, x, global_scale)
+    m, k = x.shape
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != k // 2:
+        raise ValueError(
+            f"{fn}: packed must be a uint8 tensor [T, K/2] = [T, {k // 2}] for x's K={k} "
+            f"(got {packed.dtype} {list(packed.shape)})"
+        )
+    if not packed.is_contiguous():
+        raise ValueError(f"{fn}: packed must be contiguous (got strides {list(packed.stride())})")
+    if packed.device != x.device:
+        raise ValueError(f"{fn}: packed must be on x's device {x.device} (got {packed.device})")
+    t = packed.shape[0]
+    _check_swizzled_buffer(fn, scales, t, k)
+    if scales.device != x.device:
+        raise ValueError(f"{fn}: scales must be on x's device {x.device} (got {scales.device})")
+    if not _is_int(row_start):
+        raise TypeError(f"{fn}: row_start must be an int (got {type(row_start).__name__} {row_start!r})")
+    if row_start < 0:
+        raise ValueError(f"{fn}: row_start must be >= 0 (got {row_start})")
+    if row_start + m > t:
+        raise ValueError(
+            f"{fn}: row_start + M = {row_start} + {m} = {row_start + m} exceeds T = {t}, "
+            "the rows of packed"
+        )
+
+
+def _write_rows(x, global_scale, packed, scales, row_start: int) -> None:
+    """:func:`quantize_rows_into` without the argument checks."""
+    m, k = x.shape
+    if m == 0 or k == 0:
+        return
+    n_blocks = k // BLOCK_SIZE
+    cols = round_up(n_blocks, _SWIZZLE_COLS)
+    rows_packed, rows_scales = quantize_reference(x, global_scale, swizzled=False)
+    # the rows' scale bytes, padding columns (c >= K/16) included: they belong to the row
+    row_bytes = torch.zeros((m, cols), dtype=torch.uint8, device=x.device)
+    row_bytes[:, :n_blocks] = rows_scales.view(torch.uint8)
+    rows = torch.arange(row_start, row_start + m, device=x.device)
+    offsets = swizzled_offset(rows[:, None], torch.arange(cols, device=x.device)[None, :], n_blocks)
+    scales.view(torch.uint8).view(-1)[offsets.flatten()] = row_bytes.flatten()
+    packed[row_start : row_start + m] = rows_packed
+
+
+def quantize_rows_into(
+    x: torch.Tensor,
+    global_scale: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    row_start: int,
+) -> None:
+    """Quantize ``x`` into rows ``[row_start, row_start + M)`` of a ``T``-row NVFP4 buffer pair.
+
+    Plain PyTorch, any device (the reference; :func:`fusion_pass.kernels.quantize_rows_into`
+    runs the Triton kernel on CUDA). Row ``row_start + i`` gets exactly the bytes that
+    :func:`quantize_reference` of the whole ``[T, K]`` matrix writes for that row,
+    given ``x[i]`` as its data: quantization works per row and 16-element block, and
+    each scale is written at its global row's swizzled offset. No other byte is
+    touched: neither other rows' packed bytes or scales nor the padding rows
+    ``T .. round_up(T, 128)`` (see :func:`zero_scale_padding`). The padding
+    columns (``K/16 .. round_up(K/16, 4)``) of the rows in range are written as zero.
+
+    Args:
+        x: float16 / bfloat16 / float32 ``[M, K]``, ``K % 16 == 0``, any strides.
+        global_scale: float32 tensor with one positive finite element, on ``x``'s device.
+        packed: contiguous uint8 ``[T, K/2]`` on ``x``'s device; row ``r`` holds the
+            codes of row ``r`` (element ``2j`` in the low nibble of byte ``j``).
+        scales: contiguous 128x4 swizzled scale buffer of ``T`` rows on ``x``'s
+            device, as ``scaled_fp4_quant.out`` accepts it: int32
+            ``[round_up(T, 128), round_up(K/16, 4) / 4]`` (vLLM's allocation) or
+            uint8 / float8_e4m3fn ``[round_up(T, 128), round_up(K/16, 4)]``.
+        row_start: an int with ``0 <= row_start`` and ``row_start + M <= T``.
+
+    Raises (before anything is written):
+        TypeError: a non-tensor ``x`` / ``packed`` / ``scales``, ``x`` not float16 /
+            bfloat16 / float32, ``global_scale`` not float32, ``row_start`` not an int.
+        ValueError: a wrong shape, dtype, layout or device of a buffer, ``K % 16 != 0``,
+            a ``global_scale`` that is not one positive finite value, a row range
+            outside ``[0, T)``.
+
+    NaN and infinity as in :func:`quantize_reference`.
+    """
+    _check_rows_into("quantize_rows_into", x, global_scale, packed, scales, row_start)
+    _write_rows(x, global_scale, packed, scales, row_start)
+
+
+def zero_scale_padding(scales: torch.Tensor, rows: int, k: int) -> None:
+    """Zero the scale bytes of the padding rows ``rows .. round_up(rows, 128)``, nothing else.
+
+    The complement of :func:`quantize_rows_into`: once every row ``0 .. T-1`` of a
+    buffer pair has been written by some producer, this call (with ``rows = T``)
+    makes the buffers byte-equal to :func:`quantize_reference` of the whole
+    matrix. The padding rows all sit in the last 128-row band, interleaved with
+    the scales of real rows, so only the bytes of rows ``>= rows`` inside that
+    band are cleared (two slice fills, any device, no index tensors).
+
+    Args:
+        scales: contiguous 128x4 swizzled scale buffer of ``rows`` rows and ``k``
+            columns: int32 ``[round_up(rows, 128), round_up(k/16, 4) / 4]`` or
+            uint8 / float8_e4m3fn ``[round_up(rows, 128), round_up(k/16, 4)]``.
+        rows: ``T``, the number of real rows (an int >= 0).
+        k: ``K``, the number of elements per row (an int >= 0, ``k % 16 == 0``).
+
+    Raises (before anything is written):
+        TypeError: ``rows`` or ``k`` not an int, ``scales`` not a tensor.
+        ValueError: negative ``rows`` / ``k``, ``k % 16 != 0``, ``scales`` of the
+            wrong dtype, shape or layout.
+    """
+    fn = "zero_scale_padding"
+    for name, v in (("rows", rows), ("k", k)):
+        if not _is_int(v):
+            raise TypeError(f"{fn}: {name} must be an int (got {type(v).__name__} {v!r})")
+        if v < 0:
+            raise ValueError(f"{fn}: {name} must be >= 0 (got {v})")
+    if k % BLOCK_SIZE != 0:
+        raise ValueError(f"{fn}: k must be divisible by {BLOCK_SIZE} (got {k})")
+    _check_swizzled_buffer(fn, scales, rows, k)
+    col_tiles = round_up(k // BLOCK_SIZE, _SWIZZLE_COLS) // _SWIZZLE_COLS
+    first = rows % _SWIZZLE_ROWS  # first padding row of the last band
+    if first == 0 or col_tiles == 0:
+        return
+    band_start = (rows // _SWIZZLE_ROWS) * col_tiles * 512
+    # the band's tiles as [column tile, row in group, row group, column]: row g*32 + i at [:, i, g]
+    band = scales.view(torch.uint8).view(-1)[band_start:].view(col_tiles, 32, 4, 4)
+    group, row = divmod(first, 32)
+    band[:, row:, group].zero_()
+    band[:, :, group + 1 :].zero_()
 
 
 def _linear_scales(

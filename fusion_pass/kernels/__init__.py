@@ -7,6 +7,10 @@ Public entry points (every argument checked up front):
   [round_up(T, 128), round_up(H*Dv/16, 4)])`` in the layout of ``NVFP4.md``;
 * :func:`quantize` -> the Triton NVFP4 quantizer, same bytes as
   :func:`fusion_pass.nvfp4.quantize_reference`;
+* :func:`quantize_rows_into`: the same quantizer writing ``M`` rows at a row
+  offset into the buffers of a ``T``-row matrix, touching no other byte
+  (:func:`zero_scale_padding`, re-exported from :mod:`fusion_pass.nvfp4`, clears
+  the padding rows' scales once all rows are written);
 * :func:`flash_attention_nvfp4_varlen`: the ``triton`` fused backend's call,
   writing into the attention op's buffers;
 * :func:`fa4_attention_varlen` / :func:`fa4_attention_nvfp4_varlen`
@@ -51,12 +55,16 @@ from fusion_pass import nvfp4
 from fusion_pass.dense import attention_with_lse
 from fusion_pass.kernels.checks import check_qkv, describe
 from fusion_pass.kernels.fa4_sm90 import fa4_attention_nvfp4_varlen, fa4_attention_varlen, fa4_sm90_usable
+from fusion_pass.nvfp4 import zero_scale_padding
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "attention",
     "attention_nvfp4",
     "quantize",
+    "QUANT_BACKENDS",
+    "quantize_rows_into",
+    "zero_scale_padding",
     "flash_attention_nvfp4_varlen",
     "fa4_attention_varlen",
     "fa4_attention_nvfp4_varlen",
@@ -65,6 +73,7 @@ __all__ = [
 ]
 
 ATTENTION_BACKENDS = ("auto", "triton", "fa4", "reference")
+QUANT_BACKENDS = ("auto", "triton", "reference")
 
 
 def interpreter_enabled() -> bool:
@@ -291,6 +300,47 @@ def quantize(x: Tensor, global_scale: Tensor, *, swizzled: bool = True) -> tuple
     if not ok:
         raise RuntimeError(f"quantize: {why}")
     return triton_quantize(x.reshape(-1, x.shape[-1]), global_scale, swizzled=swizzled)
+
+
+def quantize_rows_into(
+    x: Tensor,
+    global_scale: Tensor,
+    packed: Tensor,
+    scales: Tensor,
+    row_start: int,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Quantize ``x [M, K]`` into rows ``[row_start, row_start + M)`` of a ``T``-row NVFP4 buffer pair.
+
+    Arguments, bytes and errors as :func:`fusion_pass.nvfp4.quantize_rows_into`
+    (all checked before anything is written): ``packed`` contiguous uint8
+    ``[T, K/2]``; ``scales`` the contiguous 128x4 swizzled buffer of ``T`` rows, int32
+    ``[round_up(T, 128), round_up(K/16, 4) / 4]`` or uint8 / float8_e4m3fn
+    ``[round_up(T, 128), round_up(K/16, 4)]``; ``0 <= row_start <= T - M``. Only the
+    packed bytes and scale bytes of those rows are written; the padding rows are
+    left to :func:`zero_scale_padding`.
+
+    ``backend``: ``auto`` (the Triton kernel for CUDA tensors, the reference
+    otherwise), ``triton`` (CUDA tensors, or CPU tensors under Triton's interpreter),
+    ``reference`` (plain PyTorch, any device).
+    """
+    fn = "quantize_rows_into"
+    if backend not in QUANT_BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {', '.join(QUANT_BACKENDS)}, got {backend!r}")
+    nvfp4._check_rows_into(fn, x, global_scale, packed, scales, row_start)
+    if backend == "auto":
+        backend = "triton" if x.device.type == "cuda" and _triton_usable(x.device)[0] else "reference"
+    elif backend == "triton":
+        ok, why = _triton_usable(x.device)
+        if not ok:
+            raise RuntimeError(f"{fn}: backend 'triton' is unavailable: {why}")
+    if backend == "triton":
+        from fusion_pass.kernels.nvfp4_quant import quantize_rows_into as triton_quantize_rows_into
+
+        triton_quantize_rows_into(x, global_scale, packed, scales, row_start)
+    else:
+        nvfp4._write_rows(x, global_scale, packed, scales, row_start)
 
 
 def flash_attention_nvfp4_varlen(

@@ -8,8 +8,13 @@ padding entries written as zero. Blocks holding NaN or ±Inf follow
 docs/nvfp4.md "NaN and infinity" (scale byte 0x7F and codes 0 for a NaN block;
 a saturated scale and codes 0x7 / 0xF for infinities).
 
-:func:`quantize` is the unvalidated launcher (callers have checked the
-arguments: the public entry points are in :mod:`fusion_pass.kernels`).
+The same kernel also writes ``M`` rows at a row offset into the buffers of a
+larger ``T``-row matrix, leaving every other row and the padding rows alone
+(:func:`quantize_rows_into`; ``docs/nvfp4.md``, "Writing a range of rows").
+
+:func:`quantize` and :func:`quantize_rows_into` are the unvalidated launchers
+(callers have checked the arguments: the public entry points are in
+:mod:`fusion_pass.kernels`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import triton.language as tl
 from fusion_pass import nvfp4
 from fusion_pass.kernels.nvfp4_tl import quantize_pairs, swizzled_scale_offset
 
-__all__ = ["quantize", "QUANT_CONFIG"]
+__all__ = ["quantize", "quantize_rows_into", "QUANT_CONFIG"]
 
 QUANT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 4}
 """Tile of one program (rows x columns) and its warps; chosen on the H200 (docs/benchmarks.md)."""
@@ -53,9 +58,10 @@ def _nvfp4_quant_kernel(
     global_scale_ptr,
     packed_ptr,
     scales_ptr,
+    row_start,  # row of the output buffers that row 0 of x goes to
     M,
     K,
-    scale_rows,  # rows of the scale buffer: round_up(M, 128) swizzled, M linear
+    scale_rows,  # rows (of x) whose scales are written: round_up(M, 128) swizzled, M linear or to skip padding
     scale_cols,  # block columns of the scale buffer: round_up(K/16, 4) swizzled, K/16 linear
     SWIZZLED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -65,7 +71,8 @@ def _nvfp4_quant_kernel(
     ``[pid_k * BLOCK_K, +BLOCK_K)`` of the (scale-padded) matrix, as
     ``BLOCK_M * BLOCK_K / 16`` blocks of 8 element pairs (block columns fastest,
     so neighbouring threads read neighbouring memory); rows and columns past
-    ``M``/``K`` read as zero, so their scales are written as zero."""
+    ``M``/``K`` read as zero, so their scales are written as zero. Row ``r`` of
+    ``x`` lands in row ``row_start + r`` of the output buffers (an added base)."""
     BLOCKS: tl.constexpr = BLOCK_K // 16
     blocks = tl.arange(0, BLOCK_M * BLOCKS)
     rows = tl.program_id(0) * BLOCK_M + blocks // BLOCKS
@@ -77,12 +84,45 @@ def _nvfp4_quant_kernel(
 
     packed, sf = quantize_pairs(even, odd, tl.load(global_scale_ptr))
 
-    tl.store(packed_ptr + rows64[:, None] * (K // 2) + pair_cols, packed, mask=in_x[:, None])
+    out_rows = rows64 + row_start
+    tl.store(packed_ptr + out_rows[:, None] * (K // 2) + pair_cols, packed, mask=in_x[:, None])
     if SWIZZLED:
-        offsets = swizzled_scale_offset(rows64, block_cols, scale_cols // 4)
+        offsets = swizzled_scale_offset(out_rows, block_cols, scale_cols // 4)
     else:
-        offsets = rows64 * scale_cols + block_cols
+        offsets = out_rows * scale_cols + block_cols
     tl.store(scales_ptr + offsets, sf, mask=(rows < scale_rows) & (block_cols < scale_cols))
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, or a fresh copy when the kernel cannot read it in element pairs (unit
+    stride along K, an even row stride and a base aligned to two elements needed)."""
+    if x.stride(1) != 1 or x.stride(0) % 2 != 0 or x.data_ptr() % (2 * x.element_size()) != 0:
+        return x.clone(memory_format=torch.contiguous_format)  # contiguous() keeps a misaligned base
+    return x
+
+
+def _launch(x, global_scale, packed, scale_bytes, row_start, scale_rows, scale_cols, swizzled, config) -> None:
+    """One launch over rows ``[0, scale_rows)`` of ``x`` (rows ``>= M`` only write zero scales)."""
+    m, k = x.shape
+    config = config or QUANT_CONFIG
+    block_m, block_k = config["BLOCK_M"], config["BLOCK_K"]
+    grid = (triton.cdiv(scale_rows, block_m), triton.cdiv(scale_cols * 16, block_k))
+    _nvfp4_quant_kernel[grid](
+        x,
+        x.stride(0),
+        global_scale,
+        packed,
+        scale_bytes,
+        row_start,
+        m,
+        k,
+        scale_rows,
+        scale_cols,
+        SWIZZLED=swizzled,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        num_warps=config["num_warps"],
+    )
 
 
 def quantize(
@@ -111,8 +151,7 @@ def quantize(
         written, padding scales zero.
     """
     m, k = x.shape
-    if x.stride(1) != 1 or x.stride(0) % 2 != 0 or x.data_ptr() % (2 * x.element_size()) != 0:
-        x = x.contiguous()
+    x = _aligned(x)
     rows, cols = nvfp4.scale_shape(m, k, swizzled=swizzled)
     if packed is None:
         packed = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
@@ -121,22 +160,30 @@ def quantize(
     scale_bytes = scales.view(torch.uint8)
     if m == 0 and rows == 0:
         return packed, scale_bytes.view(rows, cols).view(torch.float8_e4m3fn)
-    config = config or QUANT_CONFIG
-    block_m, block_k = config["BLOCK_M"], config["BLOCK_K"]
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols * 16, block_k))
-    _nvfp4_quant_kernel[grid](
-        x,
-        x.stride(0),
-        global_scale,
-        packed.view(torch.uint8),
-        scale_bytes,
-        m,
-        k,
-        rows,
-        cols,
-        SWIZZLED=swizzled,
-        BLOCK_M=block_m,
-        BLOCK_K=block_k,
-        num_warps=config["num_warps"],
-    )
+    _launch(x, global_scale, packed.view(torch.uint8), scale_bytes, 0, rows, cols, swizzled, config)
     return packed.view(m, k // 2), scale_bytes.view(rows, cols).view(torch.float8_e4m3fn)
+
+
+def quantize_rows_into(
+    x: torch.Tensor,
+    global_scale: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    row_start: int,
+    *,
+    config: dict | None = None,
+) -> None:
+    """Quantize ``x [M, K]`` into rows ``[row_start, row_start + M)`` of a ``T``-row buffer pair
+    (one Triton launch, arguments not validated: see
+    :func:`fusion_pass.kernels.quantize_rows_into`).
+
+    ``packed`` is contiguous uint8 ``[T, K/2]``, ``scales`` the contiguous 128x4 swizzled
+    buffer of ``T`` rows (int32, uint8 or float8_e4m3fn); ``0 <= row_start <= T - M``.
+    Writes the packed bytes and the scale bytes (padding columns included) of those
+    rows only: no other row, no padding row. Bytes as :func:`fusion_pass.nvfp4.quantize_rows_into`.
+    """
+    m, k = x.shape
+    if m == 0 or k == 0:
+        return
+    cols = nvfp4.scale_shape(packed.shape[0], k)[1]
+    _launch(_aligned(x), global_scale, packed, scales.view(torch.uint8), int(row_start), m, cols, True, config)
