@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from fusion_pass import nvfp4
+from fusion_pass.dense import attention_with_lse
 
 __all__ = [
     "BACKEND_ENV",
@@ -133,6 +134,16 @@ class Backend(Protocol):
         """Compute attention of ``impl`` on ``inputs`` for the pure-prefill batch ``spec``
         (appending the new tokens to the layer's cache, as ``impl.forward`` does) and write
         the NVFP4 bytes into ``output`` and ``output_block_scale`` (every byte, padding zero)."""
+        ...
+
+    def run_varlen(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float,
+        output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
+    ) -> None:
+        """The fused kernel on dense prefill inputs: ``q [T, H, Dqk]``, ``k [T, Hk, Dqk]``, ``v [T, Hk, Dv]``,
+        causal within each sequence of ``cu_seqlens`` (int32 ``[B+1]``); ``output`` uint8 ``[T, H*Dv/2]``,
+        ``output_block_scale`` the swizzled scales of ``T`` rows (every byte written, padding zero).
+        Used where the caller has the inputs already (vLLM's run-time op)."""
         ...
 
 
@@ -202,19 +213,65 @@ def prefill_qkv(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Te
     return q, k, v
 
 
-def varlen_meta(spec: Any, device: torch.device) -> tuple[Tensor, int]:
-    """``cu_seqlens`` int32 ``[B + 1]`` on ``device`` and the longest query length."""
-    cu_seqlens = torch.tensor(spec.query_start_loc(), dtype=torch.int32, device=device)
+def varlen_meta(spec: Any, device: torch.device, first_row: int = 0) -> tuple[Tensor, int]:
+    """``cu_seqlens`` int32 ``[B + 1]`` on ``device`` (starting at ``first_row``) and the longest query length."""
+    cu_seqlens = torch.tensor([first_row + x for x in spec.query_start_loc()], dtype=torch.int32, device=device)
     return cu_seqlens, max(r.query_len for r in spec.requests)
 
 
-def run_fused_kernel(kernel: Callable[..., None], impl: Any, inputs: tuple, spec: Any,
+def _nvfp4_views(output: Tensor, output_block_scale: Tensor, t: int) -> tuple[Tensor, Tensor]:
+    """``output`` as uint8 ``[T, K/2]`` and the scale buffer as bytes ``[round_up(T,128), cols]``."""
+    packed = output.view(torch.uint8).view(t, -1)
+    scales = output_block_scale.view(torch.uint8).view(nvfp4.round_up(t, 128), -1)
+    return packed, scales
+
+
+def post_quantize_rows(rows: Tensor, output_scale: Tensor, output: Tensor, output_block_scale: Tensor,
+                       row_start: int, t: int) -> None:
+    """Quantize ``rows [M, H*Dv]`` (any float dtype) into rows ``[row_start, row_start + M)`` of the
+    ``T``-row NVFP4 buffers, touching no other row (:func:`fusion_pass.kernels.quantize_rows_into`)."""
+    from fusion_pass.kernels import quantize_rows_into
+
+    packed, scales = _nvfp4_views(output, output_block_scale, t)
+    quantize_rows_into(rows.reshape(rows.shape[0], -1), output_scale, packed, scales, row_start)
+
+
+def split_batch(spec: Any) -> tuple[Any, Any]:
+    """``(decode sub-batch or None, prefill sub-batch)``: decode requests come first (vLLM's order)."""
+    n = spec.num_decodes
+    decodes = type(spec)(spec.requests[:n], spec.dcp_world_size) if n else None
+    return decodes, type(spec)(spec.requests[n:], spec.dcp_world_size)
+
+
+def run_on_prefill(backend: "Backend", impl: Any, inputs: tuple, spec: Any,
+                   output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
+    """``backend.run_varlen`` on the prefill rows of a batch without cached context, at their global rows.
+
+    Decode rows (the first ``D`` tokens, if any) are computed as the unfused graph computes them (the
+    layer's float32 runtime, rounded to the query dtype) and post-quantized into rows ``[0, D)``. The
+    prefill rows run the fused kernel with ``cu_seqlens`` starting at ``D``, so its epilogue writes rows
+    ``[D, T)`` of the same buffers; its key/value rows ``< D`` are never read.
+    """
+    q = inputs[0]
+    t, d = spec.num_tokens, spec.num_decode_tokens
+    decodes, prefills = split_batch(spec)
+    if decodes is not None:
+        out = impl.forward(*(x[:d] for x in inputs), decodes)
+        post_quantize_rows(out.to(q.dtype), output_scale, output, output_block_scale, 0, t)
+    _, k, v = prefill_qkv(impl, tuple(x[d:] for x in inputs), prefills)
+    if d:
+        k = torch.cat([k.new_zeros((d, *k.shape[1:])), k])
+        v = torch.cat([v.new_zeros((d, *v.shape[1:])), v])
+    cu_seqlens, max_seqlen = varlen_meta(prefills, q.device, first_row=d)
+    backend.run_varlen(q, k, v, cu_seqlens, max_seqlen, impl.softmax_scale, output, output_scale, output_block_scale)
+
+
+def run_fused_kernel(kernel: Callable[..., None], q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
+                     max_seqlen: int, softmax_scale: float,
                      output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
     """Call a fused NVFP4 entry point of :mod:`fusion_pass.kernels` (``kernel(q, k, v, *, cu_seqlens,
-    max_seqlen, softmax_scale, causal, output, output_scale, output_block_scale)``) on a pure-prefill batch."""
-    q, k, v = prefill_qkv(impl, inputs, spec)
-    cu_seqlens, max_seqlen = varlen_meta(spec, q.device)
-    kernel(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=impl.softmax_scale, causal=True,
+    max_seqlen, softmax_scale, causal, output, output_scale, output_block_scale)``), causal."""
+    kernel(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
            output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale)
 
 
@@ -397,6 +454,7 @@ class FA4Backend:
     """
 
     name = "fa4"
+    handles_context = False  # prefills with cached context (seqlen_k > seqlen_q) are not wired yet
 
     def __init__(self, varlen_func: Callable[..., Any] | None = None) -> None:
         self._varlen_func = varlen_func
@@ -428,6 +486,10 @@ class FA4Backend:
         return True, "ok"
 
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
+        run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
+
+    def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
+                   output_block_scale) -> None:
         """SM90: :func:`fusion_pass.kernels.fa4_attention_nvfp4_varlen` (it zeroes the scale
         buffer's padding rows itself). SM100/SM110, untested here (no SM100 GPU and no FA4
         release with NVFP4 output exist in this project's environments): the scale buffer is
@@ -436,7 +498,8 @@ class FA4Backend:
         if self._varlen_func is None and capability is not None and capability[0] == 9:
             from fusion_pass.kernels import fa4_attention_nvfp4_varlen
 
-            run_fused_kernel(fa4_attention_nvfp4_varlen, impl, inputs, spec, output, output_scale, output_block_scale)
+            run_fused_kernel(fa4_attention_nvfp4_varlen, q, k, v, cu_seqlens, max_seqlen, softmax_scale,
+                             output, output_scale, output_block_scale)
             return
         func = self._varlen_func
         if func is None:
@@ -444,8 +507,6 @@ class FA4Backend:
             if module is None:
                 raise RuntimeError(f"fa4 backend: {error}")
             func = module.flash_attn_varlen_func
-        q, k, v = prefill_qkv(impl, inputs, spec)
-        cu_seqlens, max_seqlen = varlen_meta(spec, q.device)
         output_block_scale.view(torch.uint8).zero_()
         func(
             **fa4_call_kwargs(
@@ -457,9 +518,9 @@ class FA4Backend:
                 v=v,
                 cu_seqlens=cu_seqlens,
                 max_seqlen=max_seqlen,
-                softmax_scale=impl.softmax_scale,
-                num_heads=impl.num_heads,
-                v_head_dim=impl.v_head_dim,
+                softmax_scale=softmax_scale,
+                num_heads=q.shape[1],
+                v_head_dim=v.shape[2],
             )
         )
 
@@ -518,6 +579,7 @@ class TritonBackend:
     """
 
     name = "triton"
+    handles_context = False  # the kernel attends to each sequence's own tokens only
 
     def available(self) -> tuple[bool, str]:
         return _triton_status()
@@ -531,8 +593,12 @@ class TritonBackend:
         return True, "ok"
 
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
+        run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
+
+    def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
+                   output_block_scale) -> None:
         kernels = importlib.import_module("fusion_pass.kernels")
-        run_fused_kernel(getattr(kernels, TRITON_ENTRY_POINT), impl, inputs, spec,
+        run_fused_kernel(getattr(kernels, TRITON_ENTRY_POINT), q, k, v, cu_seqlens, max_seqlen, softmax_scale,
                          output, output_scale, output_block_scale)
 
 
@@ -542,9 +608,15 @@ class TritonBackend:
 
 
 class ReferenceBackend:
-    """PyTorch, any device: float32 runtime attention quantized directly from float32."""
+    """PyTorch, any device: float32 runtime attention quantized directly from float32.
+
+    Runs every batch kind: the layer's runtime computes decode rows and prefills with cached context
+    (chunked prefill, prefix-cache hits) exactly; decode rows are rounded to the query dtype before
+    quantizing (the unfused graph's bytes), prefill rows are quantized from float32.
+    """
 
     name = "reference"
+    handles_context = True
 
     def available(self) -> tuple[bool, str]:
         return True, "PyTorch float32 attention + nvfp4.quantize, any device"
@@ -558,8 +630,24 @@ class ReferenceBackend:
 
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
         out32 = impl.forward(*inputs, spec)  # float32 [T, H, Dv]
-        t = out32.shape[0]
-        packed, scales = nvfp4.quantize(out32.reshape(t, -1), output_scale, swizzled=True)
+        t, d = out32.shape[0], spec.num_decode_tokens
+        if d == 0:
+            packed, scales = nvfp4.quantize(out32.reshape(t, -1), output_scale, swizzled=True)
+            _write_nvfp4(output, output_block_scale, packed, scales)
+            return
+        post_quantize_rows(out32[:d].to(inputs[0].dtype), output_scale, output, output_block_scale, 0, t)
+        post_quantize_rows(out32[d:], output_scale, output, output_block_scale, d, t)
+        nvfp4.zero_scale_padding(_nvfp4_views(output, output_block_scale, t)[1], t, out32[0].numel())
+
+    def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
+                   output_block_scale) -> None:
+        """float32 dense attention per sequence (:func:`fusion_pass.dense.attention_with_lse`), quantized."""
+        out32 = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+        starts = cu_seqlens.tolist()
+        for a, b in zip(starts[:-1], starts[1:]):
+            if b > a:
+                out32[a:b] = attention_with_lse(q[a:b], k[a:b], v[a:b], scale=softmax_scale, causal=True)[0]
+        packed, scales = nvfp4.quantize(out32.reshape(q.shape[0], -1), output_scale, swizzled=True)
         _write_nvfp4(output, output_block_scale, packed, scales)
 
 

@@ -9,6 +9,11 @@ environment) writes, for every graph the pass runs on:
   rewritten, refused with reasons, one entry per attention layer);
 * ``depyf/``: depyf's dump of the Dynamo and Inductor artifacts (decompiled
   bytecode, the captured graphs, Inductor's output code).
+
+Several processes may share one directory (vLLM's engine and worker processes
+all inherit ``FUSION_PASS_DUMP``): a graph takes the lowest free number, claimed
+by creating its report file exclusively, and its report names the process
+(``"pid"``).
 """
 
 from __future__ import annotations
@@ -45,11 +50,18 @@ def graph_source(graph: torch.fx.Graph) -> str:
 def record_graph(index: int, before: str, after: str, report: dict) -> Path:
     """Write one graph's before/after source and report under the dump directory."""
     assert _dump_dir is not None
-    stem = _dump_dir / f"graph_{next(_counter):03d}"
-    header = f"# fusion_pass graph {index}: post-grad graph {{}} the fusion pass\n"
+    while True:  # claim a number no other process sharing the directory has taken
+        stem = _dump_dir / f"graph_{next(_counter):03d}"
+        try:
+            fd = os.open(f"{stem}_report.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            continue
+        break
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({**report, "pid": os.getpid()}, indent=2, default=str))
+    header = f"# fusion_pass graph {index} (process {os.getpid()}): post-grad graph {{}} the fusion pass\n"
     Path(f"{stem}_before.py").write_text(header.format("before") + before)
     Path(f"{stem}_after.py").write_text(header.format("after") + after)
-    Path(f"{stem}_report.json").write_text(json.dumps(report, indent=2, default=str))
     return stem
 
 

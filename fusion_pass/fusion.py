@@ -34,15 +34,17 @@ class GraphReport:
 
     graph: int
     candidates: int = 0
-    rewritten: int = 0
+    rewritten: int = 0  # attention + quant fused, or an already quantized call retargeted
+    retargeted: int = 0  # of which retargeted
     refused: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     layers: list[dict] = field(default_factory=list)  # one entry per candidate: layer, pattern, outcome
 
     def line(self) -> str:
         refused = ", ".join(f"{k}={v}" for k, v in sorted(self.refused.items())) or "none"
-        return (f"fusion_pass: graph {self.graph}: {self.candidates} candidates, {self.rewritten} rewritten, "
-                f"refused: {refused} ({self.seconds * 1e3:.1f} ms)")
+        retargeted = f" ({self.retargeted} retargeted)" if self.retargeted else ""
+        return (f"fusion_pass: graph {self.graph}: {self.candidates} candidates, {self.rewritten} rewritten"
+                f"{retargeted}, refused: {refused} ({self.seconds * 1e3:.1f} ms)")
 
 
 def _resolve_patterns(patterns) -> tuple[AttentionQuantPattern, ...]:
@@ -137,28 +139,32 @@ class FusionPass(CustomGraphPass):
             debug.record_graph(report.graph, before, debug.graph_source(graph), asdict(report))
 
     def _run(self, graph: torch.fx.Graph, vocab: OpVocabulary, report: GraphReport) -> None:
-        by_role = {p.role: p for p in self._patterns_for(vocab)}
+        """Each attention candidate: the enabled entries that apply to it (the table's order) are examined;
+        the first match is applied, else the first entry's refusal is reported."""
+        entries = self._patterns_for(vocab)
         attention_ops = vocab.attention_ops()
         candidates = [n for n in graph.nodes if matcher.wrapped_op(n)[0] in attention_ops]
         refused: Counter = Counter(report.refused)
         for node in candidates:
-            role = attention_ops[matcher.wrapped_op(node)[0]]
-            pattern = by_role.get(role)
             layer = matcher.layer_label(node)
             report.candidates += 1
-            if pattern is None:
-                outcome = "pattern_not_enabled"
-            else:
-                found = matcher.examine(node, pattern, vocab)
+            outcome, pattern = matcher.unmatched_reason(node), None
+            for entry in (p for p in entries if matcher.applies(node, p, vocab)):
+                found = matcher.examine(node, entry, vocab)
                 if isinstance(found, matcher.Match):
                     matcher.rewrite(graph, found, vocab)
-                    report.rewritten += 1
-                    report.layers.append({"layer": layer, "pattern": pattern.name, "outcome": "rewritten"})
-                    continue
-                outcome = found
+                    outcome, pattern = found.outcome, entry
+                    break
+                if pattern is None:
+                    outcome, pattern = found, entry
+            name = pattern.name if pattern else None
+            if outcome in ("rewritten", "retargeted"):
+                report.rewritten += 1
+                report.retargeted += outcome == "retargeted"
+                report.layers.append({"layer": layer, "pattern": name, "outcome": outcome})
+                continue
             refused[outcome] += 1
-            report.layers.append({"layer": layer, "pattern": pattern.name if pattern else None,
-                                  "outcome": "refused", "reason": outcome})
+            report.layers.append({"layer": layer, "pattern": name, "outcome": "refused", "reason": outcome})
         report.refused = dict(refused)
 
     # -- report ----------------------------------------------------------------------------
@@ -174,6 +180,7 @@ class FusionPass(CustomGraphPass):
             "graphs": len(self.graphs),
             "candidates": sum(g.candidates for g in self.graphs),
             "rewritten": sum(g.rewritten for g in self.graphs),
+            "retargeted": sum(g.retargeted for g in self.graphs),
             "refused": dict(refused),
             "seconds": sum(g.seconds for g in self.graphs),
             "per_graph": [asdict(g) for g in self.graphs],

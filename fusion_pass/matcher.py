@@ -10,9 +10,19 @@ ops, and both are handled:
   default): mutable args are given as bases (``_<arg>_base_index``), and the
   wrapper returns the op's return value followed by the mutated bases.
 
-Every attention node of the vocabulary is a candidate. :func:`examine` either
-returns a :class:`Match` or the reason it is refused; :func:`rewrite` inlines
-the pattern's traced replacement in place of attention + quant.
+Every attention node of the vocabulary is a candidate. The pattern table
+drives the match: an entry's traced pattern gives its anchors (the wrapped ops
+in order) and the optional output arguments its attention call sets;
+:func:`applies` selects the entries whose first anchor and form a node has.
+:func:`examine` then returns a :class:`Match` or the reason it is refused, and
+:func:`rewrite` applies it. Two forms follow from the anchors:
+
+* attention -> quant (two anchors): the quant must read the attention output
+  through order-keeping views; the pattern's traced replacement is inlined in
+  place of attention + quant;
+* attention alone, already given the quant's buffers by another pass (one
+  anchor): the call is retargeted to the vocabulary's fused op, which has the
+  same arguments.
 
 A match is a proof, from the nodes' traced values, that the quant reads the
 attention output's elements in row-major ``[T, H*Dv]`` order with ``T`` the
@@ -126,9 +136,14 @@ class Facts:
 class Match:
     pattern: AttentionQuantPattern
     attention: Node
-    quant: Node
+    quant: Node | None  # None: an already quantized attention call, retargeted
     chain: list[Node]  # the view nodes from the attention result to the quant input
     form: str
+
+    @property
+    def outcome(self) -> str:
+        """How the report names the rewrite: ``"rewritten"`` (attention + quant fused) or ``"retargeted"``."""
+        return "rewritten" if self.quant is not None else "retargeted"
 
 
 def _reaches(node: Node, targets: set, depth: int = 8) -> bool:
@@ -148,9 +163,11 @@ def _view_kwargs(node: Node, arg: str) -> dict:
             if k.startswith(prefix) and k != f"{prefix}base_index"}
 
 
-def attention_output_width(attention: Node, q_val: torch.Tensor) -> int | str:
-    """``H*Dv`` when the attention op writes its output as row-major ``[T, H*Dv]`` elements of the value
-    the graph carries on (v1: the mutated ``output``; v2: the mutated base), else a refusal reason.
+def attention_output_width(attention: Node, q_val: torch.Tensor, dtype: torch.dtype | None = None) -> int | str:
+    """The elements per token (``H*Dv`` for the query dtype, ``H*Dv/2`` packed bytes for uint8) when the
+    attention op writes its output as row-major ``[T, width]`` elements of ``dtype`` (default: the query's)
+    of the value the graph carries on (v1: the mutated ``output``; v2: the mutated base), else a refusal
+    reason.
 
     v1: ``output`` must be row-major. v2: ``output`` must be its base, or a row-major view of all of
     it starting where it starts (an alias, a whole slice, or an as_strided view proving that), and the
@@ -188,8 +205,9 @@ def attention_output_width(attention: Node, q_val: torch.Tensor) -> int | str:
             return "attention_output_not_contiguous"
     tokens = q_val.shape[0]
     written = out if wrapped_op(attention)[1] == "v1" else base
-    if written.dtype != q_val.dtype:
-        return "attention_output_dtype_is_not_the_query_dtype"
+    if written.dtype != (q_val.dtype if dtype is None else dtype):
+        return ("attention_output_dtype_is_not_the_query_dtype" if dtype is None
+                else "quantized_output_is_not_uint8")
     if not size or not layout.known_equal(size[0], tokens):
         return "attention_output_rows_are_not_tokens"
     per_token = size[1:]
@@ -219,15 +237,55 @@ def _quant_buffers_reason(quant: Node) -> str | None:
     return None
 
 
-def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> Match | str:
-    """A :class:`Match` for ``attention`` (an attention candidate), or why it is refused.
+OPTIONAL_OUTPUT_ARGS = ("output_scale", "output_block_scale")
+"""The attention ops' optional arguments that make them write a quantized output."""
 
-    The match is proven, not assumed: the quant reads the attention output's elements in row-major
-    ``[T, H*Dv]`` order (``T`` the query's symbolic token count) through views that keep that order
-    (:mod:`fusion_pass.layout`), and the attention writes its output whole and row-major.
+
+@dataclass(frozen=True)
+class Anchor:
+    """One wrapped op of a traced pattern, and which optional output arguments its call sets."""
+
+    op: object
+    sets: frozenset
+
+
+@functools.lru_cache(maxsize=None)
+def anchors(pattern: AttentionQuantPattern, vocab: OpVocabulary) -> tuple[Anchor, ...]:
+    """The traced pattern's wrapped ops, in order (attention first)."""
+    gm = traced_pattern(pattern, vocab, "v1")
+    return tuple(Anchor(wrapped_op(n)[0], _sets(n)) for n in gm.graph.nodes if wrapped_op(n)[0] is not None)
+
+
+def _sets(node: Node) -> frozenset:
+    """The optional output arguments given to a wrapped attention call (v2 passes mutable ones as bases)."""
+    return frozenset(a for a in OPTIONAL_OUTPUT_ARGS
+                     if node.kwargs.get(a) is not None or node.kwargs.get(f"_{a}_base_index") is not None)
+
+
+def applies(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> bool:
+    """Whether ``attention`` is the first anchor of ``pattern`` in the same form (same optional outputs set)."""
+    first = anchors(pattern, vocab)[0]
+    return wrapped_op(attention)[0] is first.op and _sets(attention) == first.sets
+
+
+def unmatched_reason(attention: Node) -> str:
+    """The refusal of a candidate that no enabled entry applies to."""
+    return "attention_already_quantized" if _sets(attention) else "pattern_not_enabled"
+
+
+def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> Match | str:
+    """A :class:`Match` of ``pattern`` at ``attention`` (a node it :func:`applies` to), or why it is refused."""
+    following = anchors(pattern, vocab)[1:]
+    if not following:
+        return _examine_quantized(attention, pattern, vocab)
+    return _examine_chain(attention, pattern, vocab, following[0].op)
+
+
+def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary, quant_op) -> Match | str:
+    """attention -> views -> quant (``quant_op``) -> GEMM, proven, not assumed: the quant reads the attention
+    output's elements in row-major ``[T, H*Dv]`` order (``T`` the query's symbolic token count) through views
+    that keep that order (:mod:`fusion_pass.layout`), and the attention writes its output whole and row-major.
     """
-    if attention.kwargs.get("output_scale") is not None:
-        return "attention_already_quantized"
     result = mutated_result(attention, "output")
     if result is None:
         return "attention_output_unused"
@@ -235,12 +293,12 @@ def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary
     while True:
         users = list(node.users)
         if len(users) != 1:
-            if _reaches(node, {vocab.nvfp4_quant}):
+            if _reaches(node, {quant_op}):
                 return "bf16_output_has_other_users"
             return "no_nvfp4_quant_consumer" if users else "attention_output_unused"
         (user,) = users
         op = wrapped_op(user)[0]
-        if op is vocab.nvfp4_quant:
+        if op is quant_op:
             break
         if op in vocab.other_quants:
             return "quant_is_another_format"
@@ -281,6 +339,39 @@ def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary
     return Match(pattern, attention, quant, chain, wrapped_op(attention)[1])
 
 
+def _schema_signature(op) -> list[tuple]:
+    return [(a.name, str(a.type), a.alias_info is not None and a.alias_info.is_write) for a in op._schema.arguments]
+
+
+def _examine_quantized(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> Match | str:
+    """An attention call another pass already gave the quant's buffers (``output`` packed uint8, ``output_scale``
+    the global scale, ``output_block_scale`` the swizzled scales), retargetable to the vocabulary's fused op."""
+    op = wrapped_op(attention)[0]
+    target = vocab.writing_nvfp4(pattern.role)
+    if target is op:
+        return "attention_already_quantized"  # it already is this vocabulary's NVFP4-writing call
+    if _schema_signature(target) != _schema_signature(op):
+        return "fused_op_arguments_differ"
+    if mutated_result(attention, "output") is None:
+        return "attention_output_unused"
+    q_val = query_value(attention)
+    if not isinstance(q_val, torch.Tensor) or q_val.dim() < 1:
+        return "unknown_attention_shape"
+    packed = attention_output_width(attention, q_val, torch.uint8)
+    if isinstance(packed, str):
+        return packed
+    if is_view_of_base(attention, "output_block_scale") or not layout.tensor_is_row_major(
+            layout.value(buffer_arg(attention, "output_block_scale"))):
+        return "quant_buffers_not_contiguous"
+    facts = _facts(attention, 2 * packed)
+    if facts is None:
+        return "unknown_attention_shape"
+    reason = pattern.extra_check(facts)
+    if reason:
+        return reason
+    return Match(pattern, attention, None, [], wrapped_op(attention)[1])
+
+
 # ---------------------------------------------------------------- rewriting
 
 
@@ -305,9 +396,8 @@ def traced_pattern(pattern: AttentionQuantPattern, vocab: OpVocabulary, form: st
 
 
 def anchor_ops(pattern: AttentionQuantPattern, vocab: OpVocabulary) -> tuple:
-    """The wrapped ops of the traced pattern in order: (attention op, quant op)."""
-    gm = traced_pattern(pattern, vocab, "v1")
-    return tuple(wrapped_op(n)[0] for n in gm.graph.nodes if wrapped_op(n)[0] is not None)
+    """The wrapped ops of the traced pattern in order: (attention op, quant op), or (attention op,)."""
+    return tuple(a.op for a in anchors(pattern, vocab))
 
 
 _LAYER_NAME_SLOT = "<layer_name>"
@@ -315,12 +405,18 @@ _PROVENANCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
 def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
-    """Replace attention (bf16 output) + quant by the attention op writing the quant's buffers.
+    """Apply ``match``; returns the attention node that now writes NVFP4.
 
-    Returns the new attention node. The quant's consumers (the GEMM) read the
+    attention -> quant: replaced by the attention op writing the quant's buffers
+    (the pattern's traced replacement); the quant's consumers (the GEMM) read the
     new node's results; the bf16 output, its views and the quant are erased.
+    Already quantized: the call is retargeted to the vocabulary's fused op, its
+    arguments and users unchanged.
     """
     attention, quant = match.attention, match.quant
+    if quant is None:
+        attention.args = (vocab.writing_nvfp4(match.pattern.role), *attention.args[1:])
+        return attention
     template = traced_replacement(match.pattern, vocab, match.form)
     n_inputs = len(match.pattern.inputs)
     inputs = [attention.kwargs[name] for name in input_names(attention, n_inputs)]

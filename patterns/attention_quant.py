@@ -4,8 +4,21 @@ Each pattern is a pair of small plain functions with the semantics of the
 subgraph as a model writes it (mutating ops, eager calls) and of its
 replacement: the attention op writes NVFP4 into the quant's buffers itself.
 ``ops`` is an :class:`~fusion_pass.patterns.vocabulary.OpVocabulary`; the pass
-binds it, traces both functions once per process, matches the traced pattern's
-ops in the post-grad graph and inlines the traced replacement.
+binds it and traces both functions once per process. The traced pattern drives
+the match (:mod:`fusion_pass.matcher`): its wrapped ops are the anchors the
+matcher looks for, in order, and the optional arguments its attention call
+sets (``output_scale``...) say which graph form a candidate node must be in.
+
+Two graph forms, each written for MLA and for standard attention:
+
+* ``*_nvfp4_quant``: attention writes the query dtype, a quant op reads it.
+  The rewrite inlines the traced replacement in place of attention + quant.
+* ``*_nvfp4_prequantized``: another pass (vLLM's attention+quant fusion)
+  already gave the attention op the quant's buffers (``output_scale`` /
+  ``output_block_scale``). The rewrite retargets that call to the
+  vocabulary's fused op (same arguments), so the fused kernel runs there; in a
+  vocabulary whose attention op is its own fused op it is refused as
+  ``attention_already_quantized`` (never rewritten twice).
 
 Shapes (T tokens, H heads, Dv = v_head_dim):
 ``output`` [T, H*Dv] (MLA) or [T, H, Dv] (standard) in the query dtype;
@@ -51,6 +64,19 @@ def attention_replacement(ops, q, k, v, output, quant_out, quant_scale, global_s
     return quant_out, quant_scale
 
 
+# ---------------------------------------------------------------- already quantized by another pass
+
+
+def mla_prequantized_pattern(ops, q, kv_c_normed, k_pe, output, quant_out, quant_scale, global_scale, layer_name):
+    ops.mla_attention(q, kv_c_normed, k_pe, quant_out, layer_name, global_scale, quant_scale)
+    return quant_out, quant_scale
+
+
+def attention_prequantized_pattern(ops, q, k, v, output, quant_out, quant_scale, global_scale, layer_name):
+    ops.attention(q, k, v, quant_out, layer_name, global_scale, quant_scale)
+    return quant_out, quant_scale
+
+
 # ---------------------------------------------------------------- example inputs and checks
 
 _T, _H, _DV = 8, 2, 16
@@ -90,7 +116,9 @@ class AttentionQuantPattern:
     ``pattern`` / ``replacement(ops, *example_inputs(), layer_name)`` are the
     plain functions; ``role`` names the vocabulary's attention op; ``inputs``
     are that op's tensor inputs (the first ``len(inputs)`` arguments);
-    ``extra_check(facts)`` returns a refusal reason or None.
+    ``extra_check(facts)`` returns a refusal reason or None. Which graph form
+    the entry matches, and how it is rewritten, follows from the traced
+    ``pattern`` (module docstring).
     """
 
     name: str
@@ -107,4 +135,8 @@ PATTERNS: tuple[AttentionQuantPattern, ...] = (
                           mla_pattern, mla_replacement, mla_example_inputs),
     AttentionQuantPattern("attention_nvfp4_quant", "attention", ("q", "k", "v"),
                           attention_pattern, attention_replacement, attention_example_inputs),
+    AttentionQuantPattern("mla_attention_nvfp4_prequantized", "mla_attention", ("q", "kv_c_normed", "k_pe"),
+                          mla_prequantized_pattern, mla_replacement, mla_example_inputs),
+    AttentionQuantPattern("attention_nvfp4_prequantized", "attention", ("q", "k", "v"),
+                          attention_prequantized_pattern, attention_replacement, attention_example_inputs),
 )

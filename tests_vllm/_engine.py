@@ -2,7 +2,7 @@
 
     python _engine.py SPEC_JSON OUT_PT
 
-SPEC: {"model": dir, "pass": bool, "workload": [{"kind": ..., "prompts": [[ids]], "max_tokens": n}], "llm": {...}}
+SPEC: {"model": dir, "pass": bool, "pass_name": str (default: the one-liner), "workload": [{"kind": ..., "prompts": [[ids]], "max_tokens": n}], "llm": {...}}
 OUT: torch.save({"steps": [{"kind", "taps": [(a, block_scale_a)], ...}], "report", "counters", "config"}).
 Taps (the o_proj's NVFP4 inputs) are only available with VLLM_ENABLE_V1_MULTIPROCESSING=0.
 """
@@ -22,7 +22,7 @@ def main(spec_path: str, out_path: str) -> None:
 
     from fusion_pass import guard, ops
 
-    cc = {"inductor_passes": {"post_grad_custom_post_pass": PASS_NAME}} if spec["pass"] else {}
+    cc = {"inductor_passes": {"post_grad_custom_post_pass": spec.get("pass_name", PASS_NAME)}} if spec["pass"] else {}
     start = time.time()
     llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=512, max_num_seqs=4, gpu_memory_utilization=0.1, seed=0,

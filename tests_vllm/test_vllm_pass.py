@@ -119,3 +119,84 @@ def test_vllm_compile_mode_accepts_the_pass_last_in_the_post_grad_pass_manager(t
     assert proc.returncode == 0, log[-5000:]
     assert "OK" in proc.stdout
     assert "attention is a splitting op (vllm::unified_mla_attention_with_output)" in log
+
+
+# ---------------------------------------------------------------- graphs vLLM's own attention+quant fusion rewrote
+
+H, DV, T = 4, 64, 8
+LAYER = "model.layers.0.self_attn.attn"
+
+
+def _vllm_prequantized(kind: str, block_scale: bool):
+    """What vLLM's AttnQuantFusionPass / MLAAttnQuantFusionPass leave behind (their replacements, in eager form):
+    a fresh uint8 output, the quant's int32 scale buffer viewed as fp8, the GEMM reading both."""
+    def fn(q, k, v, scale_i32, gs, dep, w, w_scale, alpha):
+        if kind == "mla":
+            out = torch.empty(q.shape[0], H * DV // 2, dtype=torch.uint8)
+            op = torch.ops.vllm.unified_mla_attention_with_output
+        else:
+            out = torch.empty(q.shape[0], H, DV // 2, dtype=torch.uint8)
+            op = torch.ops.vllm.unified_attention_with_output
+        osv = scale_i32.view(torch.float8_e4m3fn) if block_scale else None
+        op(q, k, v, out, LAYER, output_scale=gs, output_block_scale=osv, kv_cache_dummy_dep=dep)
+        a = out.reshape(-1, H * DV // 2)
+        return torch.ops.fusion_pass.nvfp4_gemm(a, w, scale_i32.view(torch.float8_e4m3fn), w_scale, alpha,
+                                                torch.bfloat16)
+
+    bf = torch.bfloat16
+    if kind == "mla":
+        qkv = (torch.randn(T, H, 128, dtype=bf), torch.randn(T, 512, dtype=bf), torch.randn(T, 1, 64, dtype=bf))
+    else:
+        qkv = (torch.randn(T, H, DV, dtype=bf), torch.randn(T, 2, DV, dtype=bf), torch.randn(T, 2, DV, dtype=bf))
+    return fn, (*qkv, torch.zeros(128, 4, dtype=torch.int32), torch.ones(1), torch.empty(0, dtype=bf),
+                torch.zeros(32, H * DV // 2, dtype=torch.uint8), torch.zeros(128, 16, dtype=torch.float8_e4m3fn),
+                torch.ones(1))
+
+
+def _trace(fn, args, form):
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=form == "v2"):
+        return make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*args)
+
+
+def _attention_nodes(gm):
+    from fusion_pass import matcher
+
+    return [(n, matcher.wrapped_op(n)[0]) for n in gm.graph.nodes if matcher.wrapped_op(n)[0] is not None]
+
+
+@pytest.mark.parametrize("form", ["v1", "v2"])
+@pytest.mark.parametrize("kind", ["mla", "standard"])
+def test_a_graph_vllms_fusion_rewrote_is_retargeted_once_with_its_arguments_kept(kind, form):
+    fusion = FusionPassForVllm().fusion()
+    gm = _trace(*_vllm_prequantized(kind, block_scale=True), form)
+    ((node, op),) = _attention_nodes(gm)
+    before = dict(node.kwargs)
+    users = set(node.users)
+    fusion(gm.graph)
+    report = fusion.graphs[-1]
+    pattern = "mla_attention_nvfp4_prequantized" if kind == "mla" else "attention_nvfp4_prequantized"
+    assert (report.candidates, report.rewritten, report.retargeted) == (1, 1, 1)
+    assert report.layers == [{"layer": LAYER, "pattern": pattern, "outcome": "retargeted"}]
+    ((node2, op2),) = _attention_nodes(gm)
+    ours = torch.ops.fusion_pass.vllm_mla_attention_nvfp4 if kind == "mla" else torch.ops.fusion_pass.vllm_attention_nvfp4
+    assert node2 is node and op2 is ours.default
+    assert dict(node2.kwargs) == before and set(node2.users) == users  # the call is retargeted, nothing else
+    gm.graph.lint()
+    assert "retargeted" in report.line()
+    fusion(gm.graph)  # never rewritten twice: our op is not a candidate
+    assert fusion.graphs[-1].candidates == 0
+
+
+@pytest.mark.parametrize("kind", ["mla", "standard"])
+def test_an_attention_given_only_a_global_scale_is_refused_not_retargeted(kind):
+    """output_scale without output_block_scale is another format's fused output (FP8): no entry applies."""
+    fusion = FusionPassForVllm().fusion()
+    gm = _trace(*_vllm_prequantized(kind, block_scale=False), "v1")
+    ((node, op),) = _attention_nodes(gm)
+    fusion(gm.graph)
+    report = fusion.graphs[-1]
+    assert report.rewritten == 0 and report.refused == {"attention_already_quantized": 1}
+    assert _attention_nodes(gm) == [(node, op)]
