@@ -58,10 +58,13 @@ class BatchResult:
     step: int
     kind: str
     tokens: int
-    path: str  # "fused" or "fallback", as the run-time guard decided
+    prefill_tokens: int  # the batch's prefill rows (tokens of requests with more than one new token)
+    fused_tokens: int  # of which the fused backend wrote, in every layer
+    path: str  # "fused" (every prefill row fused) or "fallback", as the run-time guard decided
     reason: str | None  # the fallback reason
     backend: str | None  # the fused backend(s) that ran, e.g. "fa4" (None on fallback)
     bytes_equal_unfused: bool  # the o_proj's NVFP4 input, byte for byte, vs the unfused graph's
+    decode_bytes_equal_unfused: bool  # the decode rows of it, byte for byte (True when there are none)
     max_abs_err: float  # max |dequant(with pass) - dequant(unfused)| of the o_proj input
     err_bound: float  # the largest per-element bound that difference is checked against
     within_bound: bool  # every element within its bound
@@ -132,8 +135,12 @@ def run_lockstep(variants: dict, steps: list[BatchSpec], hidden_size: int, devic
 def _counter_delta(before: dict, after: dict) -> dict:
     fallback = {k: v - before["fallback"].get(k, 0) for k, v in after["fallback"].items()}
     by_backend = {k: v - before["fused_by_backend"].get(k, 0) for k, v in after["fused_by_backend"].items()}
+    t0, t1 = before["tokens"], after["tokens"]
+    post = {k: v - t0["post_quantized"].get(k, 0) for k, v in t1["post_quantized"].items()}
+    tokens = {"prefill": t1["prefill"] - t0["prefill"], "prefill_fused": t1["prefill_fused"] - t0["prefill_fused"],
+              "post_quantized": {k: v for k, v in post.items() if v}}
     return {"fused": after["fused"] - before["fused"], "fallback": {k: v for k, v in fallback.items() if v},
-            "fused_by_backend": {k: v for k, v in by_backend.items() if v}}
+            "fused_by_backend": {k: v for k, v in by_backend.items() if v}, "tokens": tokens}
 
 
 def requantization_bound(unfused: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -152,6 +159,20 @@ def requantization_bound(unfused: torch.Tensor, global_scale: torch.Tensor) -> t
     amax = (blocks.abs().amax(dim=-1, keepdim=True) + c) / (1 - 1.0625 / 6)
     per_block = 2 * (amax / 6 * 1.0625 + c) + 2.0**-9 * amax
     return per_block.expand_as(blocks).reshape(unfused.shape)
+
+
+def rows_equal(with_pass, unfused, rows: int) -> bool:
+    """Whether rows ``[0, rows)`` of every layer's o_proj input (packed bytes and their scale bytes) are equal."""
+    if rows == 0:
+        return True
+    for (a_f, s_f), (a_u, s_u) in zip(with_pass, unfused):
+        n_blocks = a_f.shape[1] * 2 // nvfp4.BLOCK_SIZE
+        offsets = nvfp4.swizzled_offset(torch.arange(rows).unsqueeze(1), torch.arange(n_blocks).unsqueeze(0), n_blocks)
+        offsets = offsets.reshape(-1).to(a_f.device)
+        if not (torch.equal(a_f[:rows], a_u[:rows]) and torch.equal(s_f.view(torch.uint8).reshape(-1)[offsets],
+                                                                      s_u.view(torch.uint8).reshape(-1)[offsets])):
+            return False
+    return True
 
 
 def compare_nvfp4(with_pass, unfused, global_scales) -> tuple[bool, float, float, bool]:
@@ -304,14 +325,21 @@ def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: 
             built.append((name, model, variants, hidden_size))
             per_step = run_lockstep(variants, steps, hidden_size, device)
             for i, (spec, out) in enumerate(zip(steps, per_step)):
-                equal, err, bound, within = compare_nvfp4(
-                    out["fused"].o_proj_inputs, out["unfused"].o_proj_inputs, global_scales)
-                reasons = sorted(out["fused"].decisions["fallback"])
-                path = "fallback" if reasons else ("fused" if out["fused"].decisions["fused"] else "unfused")
-                diff = (out["unfused"].output.float() - out["eager"].output.float()).abs().max().item()
-                fused_by = ",".join(sorted(out["fused"].decisions["fused_by_backend"])) or None
-                results.append(BatchResult(name, i, spec.kind, spec.num_tokens, path, ",".join(reasons) or None,
-                                           fused_by, equal, err, bound, within, diff))
+                fused, unfused = out["fused"], out["unfused"]
+                equal, err, bound, within = compare_nvfp4(fused.o_proj_inputs, unfused.o_proj_inputs, global_scales)
+                decode = spec.num_decode_tokens
+                decode_equal = rows_equal(fused.o_proj_inputs, unfused.o_proj_inputs, decode)
+                prefill = spec.num_tokens - decode
+                calls = fused.decisions["fused"] + sum(fused.decisions["fallback"].values())
+                fused_tokens = fused.decisions["tokens"]["prefill_fused"] // max(calls, 1)
+                reasons = sorted(fused.decisions["fallback"])
+                path = ("fused" if prefill and fused_tokens == prefill and not reasons
+                        else "fallback" if calls else "unfused")
+                diff = (unfused.output.float() - out["eager"].output.float()).abs().max().item()
+                fused_by = ",".join(sorted(fused.decisions["fused_by_backend"])) or None
+                results.append(BatchResult(name, i, spec.kind, spec.num_tokens, prefill, fused_tokens, path,
+                                           ",".join(reasons) or None, fused_by, equal, decode_equal, err, bound,
+                                           within, diff))
         run = DemoRun(results, fusion, fusion.report())
         if timing:
             for name, _, variants, hidden_size in built:
@@ -324,24 +352,34 @@ def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: 
 
 
 def format_table(results: list[BatchResult]) -> str:
-    header = (f"{'model':<5} {'step':>4} {'kind':<8} {'tokens':>6}  {'path':<8} {'backend':<9} {'reason':<16} "
-              f"{'bytes==unfused':>14} {'max|err|':>10} {'bound':>10}  {'|unfused-eager|':>15}")
+    header = (f"{'model':<5} {'step':>4} {'kind':<8} {'tokens':>6} {'prefill':>7} {'fused':>5}  {'path':<8} "
+              f"{'backend':<9} {'reason':<16} {'bytes==unfused':>14} {'decode==':>8} {'max|err|':>10} {'bound':>10}  "
+              f"{'|unfused-eager|':>15}")
     rows = [
-        f"{r.model:<5} {r.step:>4} {r.kind:<8} {r.tokens:>6}  {r.path:<8} {r.backend or '-':<9} {r.reason or '-':<16} "
-        f"{str(r.bytes_equal_unfused):>14} {r.max_abs_err:>10.3e} {r.err_bound:>10.3e}"
+        f"{r.model:<5} {r.step:>4} {r.kind:<8} {r.tokens:>6} {r.prefill_tokens:>7} {r.fused_tokens:>5}  {r.path:<8} "
+        f"{r.backend or '-':<9} {r.reason or '-':<16} {str(r.bytes_equal_unfused):>14} "
+        f"{str(r.decode_bytes_equal_unfused):>8} {r.max_abs_err:>10.3e} {r.err_bound:>10.3e}"
         f"{'' if r.within_bound else '!'} {r.max_abs_diff_eager:>15.3e}"
         for r in results
     ]
-    return "\n".join([header, "-" * len(header), *rows])
+    prefill = sum(r.prefill_tokens for r in results)
+    fused = sum(r.fused_tokens for r in results)
+    share = f"{fused / prefill:.1%}" if prefill else "n/a"
+    return "\n".join([header, "-" * len(header), *rows, f"prefill tokens on the fused path: {fused} of {prefill} ({share})"])
 
 
 def format_report(report: dict) -> str:
     refused = ", ".join(f"{k}={v}" for k, v in sorted(report["refused"].items())) or "none"
     runtime_counts = report["runtime"]
     fallback = ", ".join(f"{k}={v}" for k, v in sorted(runtime_counts["fallback"].items())) or "none"
+    tokens = runtime_counts["tokens"]
+    post = ", ".join(f"{k}={v}" for k, v in sorted(tokens["post_quantized"].items())) or "none"
+    share = f" ({tokens['prefill_fused'] / tokens['prefill']:.1%})" if tokens["prefill"] else ""
     return (f"pass: {report['graphs']} graphs, {report['candidates']} attention layers seen, "
             f"{report['rewritten']} rewritten, refused: {refused}, {report['seconds'] * 1e3:.1f} ms in the pass\n"
-            f"run time: {runtime_counts['fused']} fused calls, fallback calls: {fallback}")
+            f"run time: {runtime_counts['fused']} fused calls, fallback calls: {fallback}\n"
+            f"tokens (summed over layers): {tokens['prefill_fused']} of {tokens['prefill']} prefill tokens fused"
+            f"{share}, post-quantized: {post}")
 
 
 def format_timing(timings: list[dict], *, device: str, layers: int, warmup: int, repeats: int) -> str:

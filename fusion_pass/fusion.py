@@ -170,12 +170,15 @@ class FusionPass(CustomGraphPass):
     # -- report ----------------------------------------------------------------------------
 
     def report(self) -> dict:
-        """Totals over every graph this pass ran on, the per-graph reports, and the run-time counters."""
+        """Totals over every graph this pass ran on, the per-graph reports, the run-time counters
+        (:func:`fusion_pass.guard.counters`, process-wide) and the fraction of prefill tokens fused."""
         from fusion_pass import guard
 
         refused: Counter = Counter()
         for g in self.graphs:
             refused.update(g.refused)
+        runtime = guard.counters()
+        tokens = runtime["tokens"]
         return {
             "graphs": len(self.graphs),
             "candidates": sum(g.candidates for g in self.graphs),
@@ -184,7 +187,9 @@ class FusionPass(CustomGraphPass):
             "refused": dict(refused),
             "seconds": sum(g.seconds for g in self.graphs),
             "per_graph": [asdict(g) for g in self.graphs],
-            "runtime": guard.counters(),
+            "runtime": runtime,
+            # per token: the share of prefill rows the fused backend wrote (None before any NVFP4 attention call)
+            "prefill_fused_fraction": tokens["prefill_fused"] / tokens["prefill"] if tokens["prefill"] else None,
         }
 
 

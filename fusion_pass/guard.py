@@ -3,9 +3,13 @@
 After the fusion pass, one attention op call receives the NVFP4 buffers of
 the o_proj GEMM. One compiled graph serves every batch, so whether the fused
 kernel may run is decided here, per call, from the batch metadata
-(:class:`~fusion_pass.runtime.BatchSpec`): fused only on pure-prefill batches
-for which a backend exists (:func:`fusion_pass.backends.select_backend`).
-Every other call takes the unfused path, byte-identical to the unfused graph.
+(:class:`~fusion_pass.runtime.BatchSpec`), row by row: the prefill rows of a
+batch run the fused backend (:func:`fusion_pass.backends.select_backend`)
+whenever one exists for the layer, also beside decode rows (a mixed batch)
+and, where the backend handles cached context, for chunked prefills. Decode
+rows, and every row of a call that cannot be fused, are computed as the
+unfused graph computes them and post-quantized into their rows of the same
+buffers (the row-range quantizer): byte-identical to the unfused graph.
 
 Each decision taken by the ops is counted (:func:`record`, :func:`counters`);
 the first occurrence of each fallback reason is logged at INFO on the
@@ -17,7 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -35,25 +39,33 @@ __all__ = [
 
 logger = logging.getLogger("fusion_pass")
 
-FALLBACK_REASONS = ("decode_tokens", "chunked_prefill", "dcp_world_size>1", "no_backend")
-"""Why a call falls back, in the order the guard checks them."""
+FALLBACK_REASONS = ("dcp_world_size>1", "decode_tokens", "no_backend", "chunked_prefill")
+"""Why rows are post-quantized, in the order the guard checks them: ``decode_tokens`` also names the
+decode rows of a mixed batch whose prefill rows are fused."""
 
 
 @dataclass(frozen=True)
 class Decision:
     """The guard's verdict for one attention call.
 
-    ``path`` is ``"fused"`` (``backend`` names the backend, ``reason`` is None)
-    or ``"fallback"`` (``reason`` is one of :data:`FALLBACK_REASONS`,
-    ``backend`` is None). ``detail`` says more: the batch composition for the
-    batch reasons, every backend's refusal for ``"no_backend"``, the chosen
-    backend's description when fused.
+    ``path`` is ``"fused"`` (every prefill row is written by the fused backend
+    ``backend``; ``reason`` is None) or ``"fallback"`` (no row is; ``reason``
+    is one of :data:`FALLBACK_REASONS`, ``backend`` is None). ``detail`` says
+    more: the batch composition for the batch reasons, every backend's refusal
+    for ``"no_backend"``, the chosen backend's description when fused.
+
+    Per token: ``prefill_tokens`` of the batch, ``fused_tokens`` written by the
+    fused backend, ``post_quantized`` ``{reason: tokens}`` for the rest (a
+    mixed batch's decode rows under ``"decode_tokens"``).
     """
 
     path: Literal["fused", "fallback"]
     reason: str | None
     backend: str | None
     detail: str | None = None
+    prefill_tokens: int = 0
+    fused_tokens: int = 0
+    post_quantized: dict = field(default_factory=dict)
 
     @property
     def fused(self) -> bool:
@@ -69,30 +81,40 @@ def decide(
     qk_head_dim: int,
     v_head_dim: int,
 ) -> Decision:
-    """Fused or fallback for the batch ``spec`` and a layer of these dims.
+    """Which rows of the batch ``spec`` the fused backend writes, for a layer of these dims.
 
-    Checked in this order (so a mixed batch reports ``"decode_tokens"``):
+    Checked in this order; the first that holds post-quantizes every row:
 
-    1. ``spec.num_decode_tokens == 0``, else ``"decode_tokens"``;
-    2. no prefill with cached context, else ``"chunked_prefill"``;
-    3. ``spec.dcp_world_size == 1``, else ``"dcp_world_size>1"``;
-    4. a backend is selected (:func:`fusion_pass.backends.select_backend`),
-       else ``"no_backend"`` with each backend's reason in ``detail``.
+    1. ``spec.dcp_world_size != 1``: ``"dcp_world_size>1"``;
+    2. no prefill row (a decode-only batch): ``"decode_tokens"``;
+    3. no backend is selected (:func:`fusion_pass.backends.select_backend`):
+       ``"no_backend"`` with each backend's reason in ``detail``;
+    4. a prefill has cached context (chunked prefill, prefix-cache hit) and the
+       backend does not run such prefills: ``"chunked_prefill"``.
+
+    Otherwise every prefill row is fused and the decode rows (if any) are
+    post-quantized, counted under ``"decode_tokens"``.
     """
-    if spec.num_decode_tokens != 0:
-        return Decision(
-            "fallback", "decode_tokens", None,
-            f"{spec.num_decode_tokens} decode token(s) in a {spec.kind!r} batch",
-        )
-    if spec.has_chunked_prefill:
-        chunked = sum(1 for r in spec.requests if r.is_chunked_prefill)
-        return Decision("fallback", "chunked_prefill", None, f"{chunked} prefill request(s) with cached context")
+    t, d = spec.num_tokens, spec.num_decode_tokens
+    prefill = t - d
+
+    def fallback(reason: str, detail: str) -> Decision:
+        return Decision("fallback", reason, None, detail, prefill, 0, {reason: t})
+
     if spec.dcp_world_size != 1:
-        return Decision("fallback", "dcp_world_size>1", None, f"dcp_world_size={spec.dcp_world_size}")
+        return fallback("dcp_world_size>1", f"dcp_world_size={spec.dcp_world_size}")
+    if prefill == 0:
+        return fallback("decode_tokens", f"{d} decode token(s) in a {spec.kind!r} batch")
     backend, why = _backends.select_backend(device, dtype, num_heads, qk_head_dim, v_head_dim)
     if backend is None:
-        return Decision("fallback", "no_backend", None, why)
-    return Decision("fused", None, backend.name, why)
+        return fallback("no_backend", why)
+    if spec.has_chunked_prefill and not getattr(backend, "handles_context", False):
+        chunked = sum(1 for r in spec.requests if r.is_chunked_prefill)
+        return fallback("chunked_prefill", f"{chunked} prefill request(s) with cached context; backend "
+                                           f"{backend.name} runs prefills without cached context only")
+    rest = {"decode_tokens": d} if d else {}
+    detail = why if not d else f"{why}; {d} decode row(s) post-quantized"
+    return Decision("fused", None, backend.name, detail, prefill, prefill, rest)
 
 
 # ---------------------------------------------------------------------------
@@ -102,6 +124,8 @@ def decide(
 _lock = threading.Lock()
 _fused_by_backend: dict[str, int] = {}
 _fallback: dict[str, int] = {}
+_tokens = {"prefill": 0, "prefill_fused": 0}
+_post_quantized: dict[str, int] = {}
 _logged_reasons: set[str] = set()
 
 
@@ -118,6 +142,10 @@ def record(decision: Decision) -> None:
                 log = True
         else:
             raise ValueError(f"decision.path must be 'fused' or 'fallback', got {decision.path!r}")
+        _tokens["prefill"] += decision.prefill_tokens
+        _tokens["prefill_fused"] += decision.fused_tokens
+        for reason, n in decision.post_quantized.items():
+            _post_quantized[reason] = _post_quantized.get(reason, 0) + n
     if log:
         logger.info(
             "fusion_pass: fused attention+NVFP4 quant fell back to the unfused path (reason: %s; %s); "
@@ -128,12 +156,15 @@ def record(decision: Decision) -> None:
 
 
 def counters() -> dict[str, Any]:
-    """A snapshot: ``{"fused": int, "fused_by_backend": {name: int}, "fallback": {reason: int}}``."""
+    """A snapshot: calls ``{"fused": int, "fused_by_backend": {name: int}, "fallback": {reason: int}}``
+    and tokens ``"tokens": {"prefill": int, "prefill_fused": int, "post_quantized": {reason: int}}``
+    (summed over the calls, i.e. over layers: a fraction ``prefill_fused / prefill`` is per token)."""
     with _lock:
         return {
             "fused": sum(_fused_by_backend.values()),
             "fused_by_backend": copy.copy(_fused_by_backend),
             "fallback": copy.copy(_fallback),
+            "tokens": {**_tokens, "post_quantized": copy.copy(_post_quantized)},
         }
 
 
@@ -142,4 +173,6 @@ def reset_counters() -> None:
     with _lock:
         _fused_by_backend.clear()
         _fallback.clear()
+        _tokens.update(prefill=0, prefill_fused=0)
+        _post_quantized.clear()
         _logged_reasons.clear()

@@ -20,20 +20,29 @@ def test_workload_covers_every_batch_kind_in_server_order():
 
 
 def test_demo_fuses_prefill_and_falls_back_byte_exact_elsewhere():
+    from fusion_pass import guard
+
+    guard.reset_counters()  # the report's run-time counters are process-wide
     results, fusion = demo.run_demo(("mla",), tiny=True, layers=1)
     assert [r.kind for r in results] == [s.kind for s in demo.workload()]
     report = fusion.report()
     assert report["candidates"] == report["rewritten"] == 1 and report["refused"] == {}
-    expected_reason = {"decode": "decode_tokens", "mixed": "decode_tokens", "chunked": "chunked_prefill"}
-    for r in results:
-        if r.kind == "prefill":
+    steps = demo.workload()
+    for r, spec in zip(results, steps, strict=True):
+        prefill = spec.num_tokens - spec.num_decode_tokens
+        assert r.prefill_tokens == prefill and r.decode_bytes_equal_unfused, r
+        if r.kind == "decode":
+            assert r.path == "fallback" and r.reason == "decode_tokens" and r.backend is None, r
+            assert r.fused_tokens == 0 and r.bytes_equal_unfused and r.max_abs_err == 0.0, r
+        else:  # prefill, mixed (decode rows post-quantized) and chunked (cached context): every prefill row fused
             assert r.path == "fused" and r.reason is None and r.backend is not None, r
+            assert r.fused_tokens == prefill, r
             assert r.within_bound and r.max_abs_err <= r.err_bound, r
             if r.backend == "reference":  # quantizes float32 attention: not the unfused bf16 bytes
-                assert r.max_abs_err > 0, r
-        else:
-            assert r.path == "fallback" and r.reason == expected_reason[r.kind] and r.backend is None, r
-            assert r.bytes_equal_unfused and r.max_abs_err == 0.0, r
+                assert r.max_abs_err > 0 and not r.bytes_equal_unfused, r
+    tokens = report["runtime"]["tokens"]
+    assert tokens["prefill"] == tokens["prefill_fused"] == sum(r.prefill_tokens for r in results)
+    assert report["prefill_fused_fraction"] == 1.0
     # the demo releases its layer names, so it can run again in the same process
     assert "mla.layers.0.self_attn.attn" not in runtime.registered_layers()
 
@@ -63,9 +72,11 @@ def test_time_prefill_times_each_prefill_step_from_its_caches():
         assert t["unfused_ms"] > 0 and t["fused_ms"] > 0
         assert t["speedup"] == t["unfused_ms"] / t["fused_ms"]
     # every fused call took the fused path: per prefill step 1 warm-up + 2 timed calls,
-    # plus the call that advances the caches (the last variant, "fused")
+    # plus the call that advances the caches (the last variant, "fused"), which on the
+    # mixed and chunked steps fuses their prefill rows too
     after = guard.counters()
-    assert after["fused"] - before["fused"] == len(prefill) * (1 + 2 + 1)
+    advanced = sum(1 for s in steps if s.kind in ("mixed", "chunked"))
+    assert after["fused"] - before["fused"] == len(prefill) * (1 + 2 + 1) + advanced
     with pytest.raises(ValueError, match="missing"):
         demo.time_prefill({"fused": variants["fused"]}, steps, hidden_size, "cpu")
 
@@ -88,14 +99,18 @@ def test_cli_demo_writes_json(tmp_path, capsys):
     path = tmp_path / "demo.json"
     assert cli.main(["demo", "--tiny", "--model", "gqa", "--layers", "1", "--json", str(path)]) == 0
     printed = capsys.readouterr().out
-    assert "chunked_prefill" in printed and "1 rewritten" in printed
+    assert "decode_tokens" in printed and "1 rewritten" in printed
+    assert "prefill tokens on the fused path: 428 of 428 (100.0%)" in printed
     assert "speedup" not in printed  # timing is off by default on the CPU
     data = json.loads(path.read_text())
     assert data["timing"] == []
     assert data["layers"] == 1 and data["rewritten"] == 1 and data["refused"] == {}
     batches = data["batches"]
     assert [b["kind"] for b in batches] == ["prefill", "decode", "mixed", "prefill", "chunked"]
-    assert [b["path"] for b in batches] == ["fused", "fallback", "fallback", "fused", "fallback"]
+    assert [b["path"] for b in batches] == ["fused", "fallback", "fused", "fused", "fused"]
+    assert [b["prefill_tokens"] for b in batches] == [202, 0, 50, 96, 80]
+    assert [b["fused_tokens"] for b in batches] == [202, 0, 50, 96, 80]
+    assert all(b["decode_bytes_equal_unfused"] is True for b in batches)
     assert {b["model"] for b in batches} == {"gqa"}
     assert [b["tokens"] for b in batches] == [s.num_tokens for s in demo.workload()]
     for b in batches:
@@ -116,7 +131,8 @@ def test_cli_demo_time_prints_the_timing_table(tmp_path, capsys):
     assert [(t["model"], t["step"]) for t in data["timing"]] == [("gqa", 0), ("gqa", 3)]
     assert all(t["unfused_ms"] > 0 and t["fused_ms"] > 0 for t in data["timing"])
     # the report is the correctness run's: the timed calls are not in its counters
-    assert data["runtime"]["fused"] == 2 and "run time: 2 fused calls" in printed
+    # (prefill, mixed, prefill, chunked: every prefill row fused; the decode step falls back)
+    assert data["runtime"]["fused"] == 4 and "run time: 4 fused calls" in printed
     assert cli.main([*args, "--no-time"]) == 0
     printed = capsys.readouterr().out
     assert "speedup" not in printed and "1 rewritten" in printed
@@ -128,7 +144,8 @@ def test_cli_demo_times_by_default_on_cuda_only(monkeypatch, capsys):
     def fake_run_demo(models, **kwargs):
         calls.append(kwargs)
         report = {"graphs": 0, "candidates": 0, "rewritten": 0, "refused": {}, "seconds": 0.0,
-                  "runtime": {"fused": 0, "fallback": {}}}
+                  "runtime": {"fused": 0, "fallback": {},
+                              "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}}
         return demo.DemoRun([], FusionPass(), report)
 
     monkeypatch.setattr(demo, "run_demo", fake_run_demo)

@@ -440,8 +440,8 @@ def _attn_quant_gemm(block: Block):
 # decode requests first; each step continues the caches of the previous ones
 NUMERICS_STEPS = [
     BatchSpec((RequestSpec("a", 9), RequestSpec("b", 5))),  # prefill: fused
-    BatchSpec((RequestSpec("a", 1, 9), RequestSpec("c", 6))),  # mixed: fallback (decode_tokens)
-    BatchSpec((RequestSpec("b", 4, 5),)),  # chunked: fallback (chunked_prefill)
+    BatchSpec((RequestSpec("a", 1, 9), RequestSpec("c", 6))),  # mixed: prefill rows fused, decode row post-quantized
+    BatchSpec((RequestSpec("b", 4, 5),)),  # chunked: fused (the reference backend handles cached context)
     BatchSpec((RequestSpec("a", 1, 10), RequestSpec("c", 1, 6))),  # decode: fallback (decode_tokens)
 ]
 
@@ -464,8 +464,10 @@ def test_compiled_numerics_fused_within_bound_on_prefill_and_bytes_equal_otherwi
     fused = _run_steps(compile_with(_attn_quant_gemm(block), fused_rec), block, gs)
     assert len(fused_rec.after) == 1, "one compiled graph serves every batch"
     assert_fused(fused_rec, 1, form)
-    assert guard.counters() == {"fused": 1, "fused_by_backend": {"reference": 1},
-                                "fallback": {"decode_tokens": 2, "chunked_prefill": 1}}
+    counts = guard.counters()
+    assert (counts["fused"], counts["fused_by_backend"], counts["fallback"]) == (3, {"reference": 3},
+                                                                                 {"decode_tokens": 1})
+    assert counts["tokens"] == {"prefill": 24, "prefill_fused": 24, "post_quantized": {"decode_tokens": 3}}
 
     torch._dynamo.reset()
     plain_rec = Recorder(None)
@@ -490,13 +492,24 @@ def test_compiled_numerics_fused_within_bound_on_prefill_and_bytes_equal_otherwi
     assert ((fused_hat - attn32).abs() <= nvfp4.error_bound(attn32, gs)).all()
     assert torch.equal(plain_fp4, nvfp4.quantize(attn16, gs)[0])
 
-    # decode / mixed / chunked: the guard falls back to the exact unfused computation
+    # mixed / chunked: decode rows byte-equal to the unfused graph, prefill rows within the requantization
+    # bound; decode: the guard falls back to the exact unfused computation
+    from fusion_pass.demo import requantization_bound, rows_equal
+
     for step, (spec, got, want) in enumerate(zip(NUMERICS_STEPS[1:], fused[1:], unfused[1:]), start=1):
         y, x_fp4, x_sf = got
         y_ref, x_fp4_ref, x_sf_ref = want
-        assert torch.equal(x_fp4, x_fp4_ref), f"step {step} ({spec.kind}): packed bytes differ"
-        assert torch.equal(x_sf.view(torch.uint8), x_sf_ref.view(torch.uint8)), f"step {step}: scales differ"
-        assert torch.equal(y, y_ref), f"step {step}: GEMM output differs"
+        d, t = spec.num_decode_tokens, spec.num_tokens
+        assert rows_equal([(x_fp4, x_sf)], [(x_fp4_ref, x_sf_ref)], d), f"step {step} ({spec.kind}): decode rows"
+        if d == t:
+            assert torch.equal(x_fp4, x_fp4_ref), f"step {step} ({spec.kind}): packed bytes differ"
+            assert torch.equal(x_sf.view(torch.uint8), x_sf_ref.view(torch.uint8)), f"step {step}: scales differ"
+            assert torch.equal(y, y_ref), f"step {step}: GEMM output differs"
+            continue
+        got_hat = nvfp4.dequantize(x_fp4, x_sf, gs, m=t)
+        want_hat = nvfp4.dequantize(x_fp4_ref, x_sf_ref, gs, m=t)
+        assert ((got_hat - want_hat).abs() <= requantization_bound(want_hat, gs))[d:].all(), f"step {step}"
+        assert not torch.equal(x_fp4[d:], x_fp4_ref[d:]), f"step {step}: prefill rows should be quantized from fp32"
 
 
 # ---------------------------------------------------------------- negative: refusals on real graphs

@@ -142,22 +142,44 @@ def _decide(spec, **overrides):
 
 
 @pytest.mark.parametrize(
-    "kind, path, reason, backend",
+    "kind, path, reason, backend, post_quantized",
     [
-        ("prefill", "fused", None, "reference"),
-        ("decode", "fallback", "decode_tokens", None),
-        ("mixed", "fallback", "decode_tokens", None),
-        ("chunked", "fallback", "chunked_prefill", None),
-        ("decodes+chunked", "fallback", "decode_tokens", None),
-        ("dcp2", "fallback", "dcp_world_size>1", None),
-        ("chunked+dcp2", "fallback", "chunked_prefill", None),
+        ("prefill", "fused", None, "reference", {}),
+        ("decode", "fallback", "decode_tokens", None, {"decode_tokens": 2}),
+        ("mixed", "fused", None, "reference", {"decode_tokens": 1}),
+        ("chunked", "fused", None, "reference", {}),
+        ("decodes+chunked", "fused", None, "reference", {"decode_tokens": 1}),
+        ("dcp2", "fallback", "dcp_world_size>1", None, {"dcp_world_size>1": 8}),
+        ("chunked+dcp2", "fallback", "dcp_world_size>1", None, {"dcp_world_size>1": 5}),
     ],
 )
-def test_decision_per_batch_kind(kind, path, reason, backend):
-    decision = _decide(SPECS[kind])
+def test_decision_per_batch_kind(kind, path, reason, backend, post_quantized):
+    spec = SPECS[kind]
+    decision = _decide(spec)
     assert (decision.path, decision.reason, decision.backend) == (path, reason, backend)
     assert decision.fused == (path == "fused")
     assert decision.detail
+    prefill = spec.num_tokens - spec.num_decode_tokens
+    assert decision.prefill_tokens == prefill
+    assert decision.fused_tokens == (prefill if path == "fused" else 0)
+    assert decision.post_quantized == post_quantized
+    assert decision.fused_tokens + sum(decision.post_quantized.values()) == spec.num_tokens
+
+
+class _NoContextBackend:
+    name, handles_context = "stub", False
+
+
+@pytest.mark.parametrize("kind", ["chunked", "decodes+chunked"])
+def test_a_backend_without_cached_context_leaves_chunked_prefills_to_the_fallback(kind, monkeypatch):
+    monkeypatch.setattr(backends, "select_backend", lambda *a, **k: (_NoContextBackend(), "stub backend"))
+    spec = SPECS[kind]
+    decision = _decide(spec)
+    assert (decision.path, decision.reason) == ("fallback", "chunked_prefill")
+    assert decision.post_quantized == {"chunked_prefill": spec.num_tokens} and decision.fused_tokens == 0
+    assert "backend stub runs prefills without cached context only" in decision.detail
+    mixed = _decide(SPECS["mixed"])  # no context: the same backend fuses the prefill rows of a mixed batch
+    assert (mixed.path, mixed.backend, mixed.post_quantized) == ("fused", "stub", {"decode_tokens": 1})
 
 
 def test_decision_without_a_backend_keeps_the_backends_reason():
@@ -191,7 +213,9 @@ def test_fused_path_writes_quantized_float32_attention(layer, lens):
     spec = runtime.BatchSpec.from_lens(lens)
     inputs = layer.inputs(spec.num_tokens)
     output, scales = layer.call(spec, inputs, GS)
-    assert guard.counters() == {"fused": 1, "fused_by_backend": {"reference": 1}, "fallback": {}}
+    counts = guard.counters()
+    assert (counts["fused"], counts["fused_by_backend"], counts["fallback"]) == (1, {"reference": 1}, {})
+    assert counts["tokens"] == {"prefill": spec.num_tokens, "prefill_fused": spec.num_tokens, "post_quantized": {}}
 
     attn32 = layer.attention32([(spec, inputs)])
     packed, ref_scales = nvfp4.quantize(attn32, GS)
@@ -202,17 +226,10 @@ def test_fused_path_writes_quantized_float32_attention(layer, lens):
     assert not torch.equal(packed, bf16_packed)
 
 
-@pytest.mark.parametrize("kind", ["mixed", "decode_after_prefill", "chunked"])
-def test_fallback_path_equals_the_unfused_graph(layer, kind):
-    if kind == "mixed":
-        history = [(runtime.BatchSpec.from_lens([1, 6, 4]), 1)]
-        expected = {"fused": 0, "fused_by_backend": {}, "fallback": {"decode_tokens": 1}}
-    elif kind == "decode_after_prefill":
-        history = [(runtime.BatchSpec.from_lens([7, 5]), 1), (runtime.BatchSpec.from_lens([1, 1], [7, 5]), 2)]
-        expected = {"fused": 1, "fused_by_backend": {"reference": 1}, "fallback": {"decode_tokens": 1}}
-    else:
-        history = [(runtime.BatchSpec.from_lens([7]), 1), (runtime.BatchSpec.from_lens([6], [7]), 2)]
-        expected = {"fused": 1, "fused_by_backend": {"reference": 1}, "fallback": {"chunked_prefill": 1}}
+def test_fallback_path_equals_the_unfused_graph(layer):
+    history = [(runtime.BatchSpec.from_lens([7, 5]), 1), (runtime.BatchSpec.from_lens([1, 1], [7, 5]), 2)]
+    expected = {"fused": 1, "fused_by_backend": {"reference": 1}, "fallback": {"decode_tokens": 1},
+                "tokens": {"prefill": 12, "prefill_fused": 12, "post_quantized": {"decode_tokens": 2}}}
     steps = [(spec, layer.inputs(spec.num_tokens, seed)) for spec, seed in history]
 
     layer.impl.clear_cache()
@@ -231,6 +248,56 @@ def test_fallback_path_equals_the_unfused_graph(layer, kind):
     assert torch.equal(output, unfused_packed)
     assert torch.equal(scales, unfused_scales)
     assert guard.counters() == expected, "the query-dtype form of the op is not guarded nor counted"
+
+
+# Batches after a first prefill of requests r0 (9 tokens) and r1 (6 tokens): decode rows first, then prefill rows
+# (new requests, chunks of r0/r1 with cached context, long and short).
+ROW_CASES = {
+    "mixed": ([1, 1, 6, 130], [9, 6, 0, 0]),
+    "chunked": ([4, 3], [9, 6]),
+    "decodes+chunked": ([1, 5, 129], [9, 6, 0]),
+    "many decodes+prefill": ([1] * 2 + [127], [9, 6, 0]),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROW_CASES))
+def test_prefill_rows_of_every_batch_are_fused_and_decode_rows_equal_the_unfused_graph(layer, kind):
+    """Decode rows: byte-equal to the unfused graph. Prefill rows (with or without cached context): the
+    reference backend's criterion, exactly quantize(float32 attention). Every byte is written (poisoned
+    buffers), and scale padding is zero."""
+    first = runtime.BatchSpec.from_lens([9, 6])
+    query_lens, context_lens = ROW_CASES[kind]
+    ids = ["r0", "r1"][: sum(1 for c in context_lens if c)] + [f"n{i}" for i in range(sum(1 for c in context_lens if not c))]
+    decode_ids = [i for i, q in zip(ids, query_lens) if q == 1]
+    ids = decode_ids + [i for i, q in zip(ids, query_lens) if q != 1]
+    order = sorted(range(len(query_lens)), key=lambda i: query_lens[i] != 1)
+    spec = runtime.BatchSpec.from_lens([query_lens[i] for i in order], [context_lens[i] for i in order], ids)
+    steps = [(first, layer.inputs(first.num_tokens, 1)), (spec, layer.inputs(spec.num_tokens, 2))]
+    results = []
+    for poison in ((0xAB, 0xFF), (0x00, 0x00)):
+        layer.impl.clear_cache()
+        for s, inputs in steps:
+            results.append(layer.call(s, inputs, GS, poison=poison))
+    (out, scales), (out2, scales2) = results[1], results[3]
+    assert torch.equal(out, out2) and torch.equal(scales, scales2), "some byte depends on the poison"
+
+    d = spec.num_decode_tokens
+    attn32 = layer.attention32(steps)
+    expected = torch.cat([attn32[:d].to(torch.bfloat16).float(), attn32[d:]])
+    packed, ref_scales = nvfp4.quantize(expected, GS)
+    assert torch.equal(out, packed) and torch.equal(scales, ref_scales.view(torch.uint8))
+
+    layer.impl.clear_cache()
+    for s, inputs in steps:
+        unfused_packed, unfused_scales = layer.call_unfused(s, inputs, GS)
+    assert torch.equal(out[:d], unfused_packed[:d])
+    n_blocks = layer.width // nvfp4.BLOCK_SIZE
+    offsets = nvfp4.swizzled_offset(torch.arange(d).unsqueeze(1), torch.arange(n_blocks).unsqueeze(0), n_blocks)
+    assert torch.equal(scales.reshape(-1)[offsets], unfused_scales.reshape(-1)[offsets])
+    counts = guard.counters()["tokens"]
+    prefill = first.num_tokens + spec.num_tokens - d
+    assert counts["prefill"] == counts["prefill_fused"] == 2 * prefill
+    assert counts["post_quantized"] == ({"decode_tokens": 2 * d} if d else {})
 
 
 def test_fused_and_fallback_differ_only_within_the_nvfp4_error_bounds(layer):
@@ -253,14 +320,15 @@ def test_fused_and_fallback_differ_only_within_the_nvfp4_error_bounds(layer):
     assert bool((diff > 0).any()), "the two paths should not be byte-identical on this data"
 
 
-@pytest.mark.parametrize("use_fallback", [False, True])
-def test_every_output_byte_is_written_and_scale_padding_is_zero(layer, use_fallback):
-    spec = runtime.BatchSpec.from_lens([1, 9, 4] if use_fallback else [9, 4])
+@pytest.mark.parametrize("kind", ["prefill", "mixed", "fallback"])
+def test_every_output_byte_is_written_and_scale_padding_is_zero(layer, kind):
+    spec = runtime.BatchSpec.from_lens([9, 4] if kind == "prefill" else [1, 9, 4])
     inputs = layer.inputs(spec.num_tokens, seed=5)
     results = []
     for poison in ((0xAB, 0xFF), (0x00, 0x00), (0xFF, 0xAB)):
         layer.impl.clear_cache()
-        results.append(layer.call(spec, inputs, GS, poison=poison))
+        with backends.use_backend("triton" if kind == "fallback" else None):  # triton: no backend on CPU
+            results.append(layer.call(spec, inputs, GS, poison=poison))
     for output, scales in results[1:]:
         assert torch.equal(output, results[0][0]) and torch.equal(scales, results[0][1])
     scales = results[0][1]
@@ -268,7 +336,10 @@ def test_every_output_byte_is_written_and_scale_padding_is_zero(layer, use_fallb
     assert bool((scales[padding] == 0).all())
     assert bool((scales[~padding] != 0).all())  # real blocks of random data have non-zero scales
     counts = guard.counters()
-    assert (counts["fallback"], counts["fused"]) == (({"decode_tokens": 3}, 0) if use_fallback else ({}, 3))
+    if kind == "fallback" and not torch.cuda.is_available():
+        assert (counts["fallback"], counts["fused"]) == ({"no_backend": 3}, 0)
+    elif kind != "fallback":
+        assert (counts["fallback"], counts["fused"]) == ({}, 3)
 
 
 def test_attention_is_computed_once_per_call(layer, monkeypatch):
@@ -293,20 +364,24 @@ def test_counters_count_each_decision_and_log_each_reason_once(layer, caplog):
         runtime.BatchSpec.from_lens([4, 3]),  # fused
         runtime.BatchSpec.from_lens([1, 1], [4, 3]),  # decode_tokens
         runtime.BatchSpec.from_lens([1, 1], [5, 4]),  # decode_tokens again: counted, not logged
-        runtime.BatchSpec.from_lens([5], [6]),  # chunked_prefill (r0 holds 6 tokens)
+        runtime.BatchSpec.from_lens([5], [6]),  # chunked prefill (r0 holds 6 tokens): fused by reference
+        runtime.BatchSpec.from_lens([4, 3], dcp_world_size=2),  # dcp_world_size>1
     ]
     for i, spec in enumerate(runs):
         layer.call(spec, layer.inputs(spec.num_tokens, seed=i), GS)
     assert guard.counters() == {
-        "fused": 1,
-        "fused_by_backend": {"reference": 1},
-        "fallback": {"decode_tokens": 2, "chunked_prefill": 1},
+        "fused": 2,
+        "fused_by_backend": {"reference": 2},
+        "fallback": {"decode_tokens": 2, "dcp_world_size>1": 1},
+        "tokens": {"prefill": 19, "prefill_fused": 12,
+                   "post_quantized": {"decode_tokens": 4, "dcp_world_size>1": 7}},
     }
     messages = [r.getMessage() for r in caplog.records if r.name == "fusion_pass" and r.levelno == logging.INFO]
     assert len(messages) == 2
-    assert "reason: decode_tokens" in messages[0] and "reason: chunked_prefill" in messages[1]
+    assert "reason: decode_tokens" in messages[0] and "reason: dcp_world_size>1" in messages[1]
     guard.reset_counters()
-    assert guard.counters() == {"fused": 0, "fused_by_backend": {}, "fallback": {}}
+    assert guard.counters() == {"fused": 0, "fused_by_backend": {}, "fallback": {},
+                                "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
 
 
 def test_counters_snapshot_is_a_copy_and_record_rejects_bad_paths():
@@ -654,3 +729,106 @@ def test_select_backend_preferred_restricts_the_search():
     with pytest.raises(ValueError, match="unknown backend"):
         backends.get_backend("cudnn")
     assert all(isinstance(backends.get_backend(n), backends.Backend) for n in backends.BACKEND_ORDER)
+
+
+# ---------------------------------------------------------------- CUDA backends on every batch kind
+
+
+def _cuda_backend_reason(name):
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (the fa4 / triton fused backends)"
+    ok, why = backends.get_backend(name).available()
+    return None if ok else f"backend {name} unavailable: {why}"
+
+
+@pytest.mark.parametrize("name", ["fa4", "triton"])
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows(name, kind):
+    """On the GPU: a mixed batch (decode rows first, then new prefills crossing 128-row tiles): prefill rows
+    written by the backend's fused kernel at rows [D, T) within the requantization bound of the unfused
+    bytes (plus the kernel's own rounding, below), decode rows byte-equal to the unfused graph's, every byte
+    written (two poisons); a chunked prefill (cached context) falls back byte-equal, counted as chunked_prefill.
+
+    Off the first step the unfused rows are the float32 runtime's, while the kernels round P and V (and for MLA
+    the expanded K/V) to bf16 and accumulate in float32: each output is then within a few 2^-9 * max|v| of
+    float32 attention; 2^-6 * max|v| is the margin added to the requantization bound."""
+    reason = _cuda_backend_reason(name)
+    if reason:
+        pytest.skip(reason)
+    from fusion_pass.demo import requantization_bound, rows_equal
+    from fusion_pass.runtime import BatchSpec, RequestSpec
+
+    if kind == "gqa":
+        heads, dv = 8, 128
+        impl = runtime.AttentionImpl(num_heads=heads, num_kv_heads=2, head_dim=128, softmax_scale=128**-0.5)
+        op = torch.ops.fusion_pass.attention_with_output
+
+        def make(t, gen):
+            return tuple(torch.randn(t, h, 128, generator=gen).to("cuda", torch.bfloat16) for h in (heads, 2, 2))
+    else:
+        heads, dv, lora, rope, nope = 16, 128, 512, 64, 128
+        w = (torch.randn(heads * (nope + dv), lora) * lora**-0.5).to("cuda", torch.bfloat16)
+        impl = runtime.MLAAttentionImpl(num_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                                        v_head_dim=dv, kv_lora_rank=lora, kv_b_proj_weight=w,
+                                        softmax_scale=(nope + rope) ** -0.5)
+        op = torch.ops.fusion_pass.mla_attention_with_output
+
+        def make(t, gen):
+            return (torch.randn(t, heads, nope + rope, generator=gen).to("cuda", torch.bfloat16),
+                    torch.randn(t, lora, generator=gen).to("cuda", torch.bfloat16),
+                    torch.randn(t, 1, rope, generator=gen).to("cuda", torch.bfloat16))
+    layer_name = f"test_guard.cuda.{name}.{kind}"
+    runtime.register_layer(layer_name, impl)
+    gen = torch.Generator().manual_seed(11)
+    width = heads * dv
+    steps = [
+        (BatchSpec((RequestSpec("a", 300), RequestSpec("b", 77))), "fused"),
+        (BatchSpec((RequestSpec("a", 1, 300), RequestSpec("b", 1, 77), RequestSpec("c", 200),
+                    RequestSpec("d", 130))), "fused"),
+        (BatchSpec((RequestSpec("c", 40, 200),)), "chunked_prefill"),
+    ]
+    try:
+        runtime.clear_kv_caches()
+        with backends.use_backend(name):
+            for spec, want in steps:
+                t, d = spec.num_tokens, spec.num_decode_tokens
+                inputs = make(t, gen)
+                start = runtime.snapshot_kv_caches()
+                with runtime.batch(spec):
+                    half = torch.empty(t, width, dtype=torch.bfloat16, device="cuda")
+                    op(*inputs, half, layer_name)
+                    gs = torch.tensor([448 * 6 / half.float().abs().max().item()], device="cuda")
+                    unfused = scaled_fp4_quant(half, gs)
+                    got = []
+                    for poison in (0xAB, 0x00):
+                        runtime.restore_kv_caches(start)
+                        rows, cols = nvfp4.scale_shape(t, width)
+                        packed = torch.full((t, width // 2), poison, dtype=torch.uint8, device="cuda")
+                        scales = torch.full((rows, cols), poison, dtype=torch.uint8, device="cuda")
+                        before = guard.counters()
+                        op(*inputs, packed, layer_name, gs, scales)
+                        after = guard.counters()
+                        got.append((packed, scales))
+                assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), "unwritten bytes"
+                packed, scales = got[0]
+                fused = after["fused_by_backend"].get(name, 0) - before["fused_by_backend"].get(name, 0)
+                assert fused == (want == "fused"), f"{spec.kind}: {after}"
+                pair, ref = [(packed, scales.view(torch.float8_e4m3fn))], [unfused]
+                assert rows_equal(pair, ref, d), f"{spec.kind}: decode rows differ from the unfused graph's"
+                if want == "fused":
+                    got_hat = nvfp4.dequantize(packed, scales.view(torch.float8_e4m3fn), gs, m=t)
+                    want_hat = nvfp4.dequantize(*unfused, gs, m=t)
+                    if kind == "gqa":
+                        vmax = inputs[2].float().abs().max()
+                    else:
+                        vmax = torch.einsum("sl,hvl->shv", inputs[1].float(), impl._weights()[1]).abs().max()
+                    bound = requantization_bound(want_hat, gs) + 2.0**-6 * vmax
+                    assert bool(((got_hat - want_hat).abs() <= bound).all()), f"{spec.kind}: prefill rows off"
+                    padding = _padding_mask(t, width).to("cuda")
+                    assert bool((scales[padding] == 0).all())
+                else:
+                    assert after["fallback"].get(want, 0) - before["fallback"].get(want, 0) == 1
+                    assert torch.equal(packed, unfused[0]) and torch.equal(scales, unfused[1].view(torch.uint8))
+    finally:
+        runtime.unregister_layer(layer_name)
+        runtime.clear_kv_caches()

@@ -154,10 +154,10 @@ def test_mla_op_writes_runtime_attention_in_query_dtype(mla_layer):
 
 
 def test_mla_op_nvfp4_output_equals_attention_then_quant(mla_layer):
-    """A batch with a decode token takes the guard's fallback: the unfused bytes
-    (pure-prefill batches take the fused path: tests/test_guard.py)."""
+    """A batch the guard does not fuse (a dcp world size > 1) takes the fallback: the unfused bytes
+    (batches with prefill rows take the fused path: tests/test_guard.py)."""
     impl, dims = mla_layer
-    spec = runtime.BatchSpec.from_lens([1, 5, 3])
+    spec = runtime.BatchSpec.from_lens([1, 5, 3], dcp_world_size=2)
     q, kv_c, k_pe = _mla_inputs(9, dims)
     gs = torch.tensor([30.0])
     width = dims[0] * dims[3]

@@ -22,7 +22,8 @@ OPS = torch.ops.fusion_pass
 MLA_DIMS = dict(num_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32)
 GQA_DIMS = dict(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
 GS = torch.tensor([40.0])
-ZERO_COUNTERS = {"fused": 0, "fused_by_backend": {}, "fallback": {}}
+ZERO_COUNTERS = {"fused": 0, "fused_by_backend": {}, "fallback": {},
+                 "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
 
 
 @pytest.fixture(autouse=True)
@@ -125,13 +126,14 @@ def layer(request):
 
 
 # Scenarios: the history that fills the caches, then the batch under test.
-# "prefill" takes the fused path, "mixed" and "chunked" the fallback.
+# "prefill", "mixed" (decode rows post-quantized) and "chunked" take the fused path, "decode" the fallback.
 SCENARIOS = {
     "prefill": ([], runtime.BatchSpec.from_lens([5, 3])),
     "mixed": ([runtime.BatchSpec.from_lens([4, 6])], runtime.BatchSpec.from_lens([1, 6], [4, 0], ["r0", "r2"])),
     "chunked": ([runtime.BatchSpec.from_lens([7])], runtime.BatchSpec.from_lens([5], [7])),
+    "decode": ([runtime.BatchSpec.from_lens([4, 6])], runtime.BatchSpec.from_lens([1, 1], [4, 6])),
 }
-EXPECTED_PATH = {"prefill": "fused", "mixed": "fallback", "chunked": "fallback"}
+EXPECTED_PATH = {"prefill": "fused", "mixed": "fused", "chunked": "fused", "decode": "fallback"}
 
 
 def _setup(layer, scenario):
@@ -207,7 +209,8 @@ def test_the_issue_scenario_zero_scale_then_retry():
         decode_inputs = layer.inputs(2, seed=2)
         second = layer.call(decode, decode_inputs)
         assert guard.counters() == {"fused": 1, "fused_by_backend": {"reference": 1},
-                                    "fallback": {"decode_tokens": 1}}
+                                    "fallback": {"decode_tokens": 1},
+                                    "tokens": {"prefill": 8, "prefill_fused": 8, "post_quantized": {"decode_tokens": 2}}}
         layer.impl.clear_cache()
         assert torch.equal(layer.call(spec, inputs)[0], first[0])
         again = layer.call(decode, decode_inputs)
@@ -385,7 +388,8 @@ def test_a_failure_part_way_rolls_the_cache_back_and_is_not_counted(layer, monke
         raise RuntimeError("injected failure")
 
     for scenario, target in (("prefill", "fusion_pass.backends._write_nvfp4"),
-                             ("mixed", "fusion_pass.ops._write_attention_output")):
+                             ("mixed", "fusion_pass.backends.post_quantize_rows"),
+                             ("decode", "fusion_pass.ops._write_attention_output")):
         history, spec, inputs = _setup(layer, scenario)
         counters, cache = guard.counters(), _cache_state(layer.impl)
         with monkeypatch.context() as m:
@@ -395,7 +399,7 @@ def test_a_failure_part_way_rolls_the_cache_back_and_is_not_counted(layer, monke
             # the attention did run and grow the cache before the failure
             assert _cache_state(layer.impl) == cache and guard.counters() == counters
         retry = layer.call(spec, inputs)
-        assert guard.counters()["fused"] == (1 if scenario == "prefill" else 0)
+        assert guard.counters()["fused"] == (0 if scenario == "decode" else 1)
         fresh = layer.fresh(history, spec, inputs)
         assert torch.equal(retry[0], fresh[0]) and torch.equal(retry[1], fresh[1])
 
@@ -672,8 +676,9 @@ def test_use_backend_is_scoped_to_the_thread_that_entered_it():
                              ("triton", "fallback", None, "triton")]
         assert seen["b"] == [("fa4", "fallback", None, "fa4")] * 2
         assert seen["c"] == [("triton", "fallback", None, "triton")] * 2
-        assert guard.counters() == {"fused": 1, "fused_by_backend": {"reference": 1},
-                                    "fallback": {"no_backend": 2}}
+        counts = guard.counters()
+        assert (counts["fused"], counts["fused_by_backend"], counts["fallback"]) == (1, {"reference": 1},
+                                                                                     {"no_backend": 2})
         # the bytes each thread got are those of its own choice
         with backends.use_backend("reference"):
             fused = layers["a"].fresh([], spec, inputs)
