@@ -333,14 +333,6 @@ def drop_requests(request_ids) -> None:
                                    for layer, entries in snapshot.items()})
 
 
-def model_inputs(spec: BatchSpec, hidden_size: int, device: str, seed: int):
-    """``(positions, hidden)`` for ``spec``, seeded, with a dynamic token dimension (one graph for all steps)."""
-    positions, hidden = demo.make_inputs(spec, hidden_size, device, seed=seed)
-    torch._dynamo.mark_dynamic(positions, 0)
-    torch._dynamo.mark_dynamic(hidden, 0)
-    return positions, hidden
-
-
 @torch.no_grad()
 def fill_prefix_hits(model, step: Step, hidden_size: int, device: str) -> None:
     """Put the cached prefixes of this step's prefix hits into the KV caches (eager model: not counted)."""
@@ -348,7 +340,7 @@ def fill_prefix_hits(model, step: Step, hidden_size: int, device: str) -> None:
     if hits:
         spec = BatchSpec(tuple(RequestSpec(a.request_id, a.cached) for a in hits))
         with runtime.batch(spec):
-            model(*model_inputs(spec, hidden_size, device, seed=-1 - step.index))
+            model(*demo.dynamic_inputs(spec, hidden_size, device, seed=-1 - step.index))
 
 
 @torch.no_grad()
@@ -361,22 +353,8 @@ def time_step(variants: dict, spec: BatchSpec, hidden_size: int, device: str, *,
     they were on entry (restored outside the timed region, and on return).
     """
     start = runtime.snapshot_kv_caches()
-    inputs = [model_inputs(spec, hidden_size, device, seed + n) for n in range(warmup + repeats)]
-    ms = {}
-    with runtime.batch(spec):
-        for name, model in variants.items():
-            samples = []
-            for n, (positions, hidden) in enumerate(inputs):
-                runtime.restore_kv_caches(start)
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                begin.record()
-                model(positions, hidden)
-                end.record()
-                torch.cuda.synchronize()
-                if n >= warmup:
-                    samples.append(begin.elapsed_time(end))
-            ms[name] = statistics.median(samples)
+    inputs = [demo.dynamic_inputs(spec, hidden_size, device, seed + n) for n in range(warmup + repeats)]
+    ms = {name: demo.median_call_ms(model, spec, inputs, warmup, start, device) for name, model in variants.items()}
     runtime.restore_kv_caches(start)
     return ms
 
@@ -425,7 +403,7 @@ def run_trace(steps: list[Step], *, model_name: str, tiny: bool, device: str, la
                 run.timings.append({"step": step.index, "unfused_ms": ms["unfused"], "fused_ms": ms["fused"]})
             before = token_counters()
             with torch.no_grad(), runtime.batch(spec):
-                fused(*model_inputs(spec, hidden_size, device, seed=step.index))
+                fused(*demo.dynamic_inputs(spec, hidden_size, device, seed=step.index))
             run.per_step.append(token_delta(before, token_counters()))
             drop_requests(step.finished)
         run.totals = sum_deltas(run.per_step)

@@ -67,7 +67,6 @@ import torch
 from torch import Tensor
 
 from fusion_pass import nvfp4
-from fusion_pass.dense import attention_with_lse
 
 __all__ = [
     "BACKEND_ENV",
@@ -229,11 +228,16 @@ def _nvfp4_views(output: Tensor, output_block_scale: Tensor, t: int) -> tuple[Te
 def post_quantize_rows(rows: Tensor, output_scale: Tensor, output: Tensor, output_block_scale: Tensor,
                        row_start: int, t: int) -> None:
     """Quantize ``rows [M, H*Dv]`` (any float dtype) into rows ``[row_start, row_start + M)`` of the
-    ``T``-row NVFP4 buffers, touching no other row (:func:`fusion_pass.kernels.quantize_rows_into`)."""
-    from fusion_pass.kernels import quantize_rows_into
-
+    ``T``-row NVFP4 buffers, touching no other row. The op checked the buffers and the global scale
+    already: on CUDA the Triton launcher runs unvalidated (no read-back of the scale, no sync); elsewhere
+    :func:`fusion_pass.nvfp4.quantize_rows_into`."""
     packed, scales = _nvfp4_views(output, output_block_scale, t)
-    quantize_rows_into(rows.reshape(rows.shape[0], -1), output_scale, packed, scales, row_start)
+    x = rows.reshape(rows.shape[0], -1)
+    if x.is_cuda:
+        from fusion_pass.kernels.nvfp4_quant import quantize_rows_into
+    else:
+        quantize_rows_into = nvfp4.quantize_rows_into
+    quantize_rows_into(x, output_scale, packed, scales, row_start)
 
 
 def split_batch(spec: Any) -> tuple[Any, Any]:
@@ -641,12 +645,10 @@ class ReferenceBackend:
 
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
                    output_block_scale) -> None:
-        """float32 dense attention per sequence (:func:`fusion_pass.dense.attention_with_lse`), quantized."""
-        out32 = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
-        starts = cu_seqlens.tolist()
-        for a, b in zip(starts[:-1], starts[1:]):
-            if b > a:
-                out32[a:b] = attention_with_lse(q[a:b], k[a:b], v[a:b], scale=softmax_scale, causal=True)[0]
+        """float32 dense attention per sequence (:func:`fusion_pass.kernels.reference_attention`), quantized."""
+        from fusion_pass.kernels import reference_attention
+
+        out32 = reference_attention(q, k, v, cu_seqlens, True, softmax_scale)
         packed, scales = nvfp4.quantize(out32.reshape(q.shape[0], -1), output_scale, swizzled=True)
         _write_nvfp4(output, output_block_scale, packed, scales)
 

@@ -230,9 +230,9 @@ def time_prefill(
         for i, spec in enumerate(steps):
             start = runtime.snapshot_kv_caches()
             if spec.kind == "prefill":
-                inputs = [_timing_inputs(spec, hidden_size, device, seed=100_000 * (i + 1) + n)
+                inputs = [dynamic_inputs(spec, hidden_size, device, seed=100_000 * (i + 1) + n)
                           for n in range(warmup + repeats)]
-                ms = {name: _median_call_ms(variants[name], spec, inputs, warmup, start, device)
+                ms = {name: median_call_ms(variants[name], spec, inputs, warmup, start, device)
                       for name in TIMED_VARIANTS}
                 timings.append({"model": model, "step": i, "tokens": spec.num_tokens,
                                 "unfused_ms": ms["unfused"], "fused_ms": ms["fused"],
@@ -244,14 +244,15 @@ def time_prefill(
     return timings
 
 
-def _timing_inputs(spec: BatchSpec, hidden_size: int, device: str, seed: int):
+def dynamic_inputs(spec: BatchSpec, hidden_size: int, device: str, seed: int):
+    """:func:`make_inputs` with the token dimension marked dynamic (one compiled graph for every batch)."""
     positions, hidden = make_inputs(spec, hidden_size, device, seed=seed)
     torch._dynamo.mark_dynamic(positions, 0)
     torch._dynamo.mark_dynamic(hidden, 0)
     return positions, hidden
 
 
-def _median_call_ms(model, spec: BatchSpec, inputs: list, warmup: int, start: dict, device: str) -> float:
+def median_call_ms(model, spec: BatchSpec, inputs: list, warmup: int, start: dict, device: str) -> float:
     """Median milliseconds of ``model(*inputs[n])`` for ``n >= warmup``, each call from the ``start`` caches."""
     cuda = torch.device(device).type == "cuda"
     times = []

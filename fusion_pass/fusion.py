@@ -148,23 +148,22 @@ class FusionPass(CustomGraphPass):
         for node in candidates:
             layer = matcher.layer_label(node)
             report.candidates += 1
-            outcome, pattern = matcher.unmatched_reason(node), None
+            match, refusal = None, None
             for entry in (p for p in entries if matcher.applies(node, p, vocab)):
                 found = matcher.examine(node, entry, vocab)
                 if isinstance(found, matcher.Match):
-                    matcher.rewrite(graph, found, vocab)
-                    outcome, pattern = found.outcome, entry
+                    match = found
                     break
-                if pattern is None:
-                    outcome, pattern = found, entry
-            name = pattern.name if pattern else None
-            if outcome in ("rewritten", "retargeted"):
+                refusal = refusal or (found, entry.name)
+            if match is not None:
+                matcher.rewrite(graph, match, vocab)
                 report.rewritten += 1
-                report.retargeted += outcome == "retargeted"
-                report.layers.append({"layer": layer, "pattern": name, "outcome": outcome})
+                report.retargeted += match.outcome == "retargeted"
+                report.layers.append({"layer": layer, "pattern": match.pattern.name, "outcome": match.outcome})
                 continue
-            refused[outcome] += 1
-            report.layers.append({"layer": layer, "pattern": name, "outcome": "refused", "reason": outcome})
+            reason, name = refusal or (matcher.unmatched_reason(node), None)
+            refused[reason] += 1
+            report.layers.append({"layer": layer, "pattern": name, "outcome": "refused", "reason": reason})
         report.refused = dict(refused)
 
     # -- report ----------------------------------------------------------------------------

@@ -175,8 +175,8 @@ def _choose(fn: str, backend: str, q: Tensor, v: Tensor) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _reference_attention(q, k, v, cu_seqlens, causal, softmax_scale) -> Tensor:
-    """float32 ``[T, H, Dv]``: dense attention per sequence."""
+def reference_attention(q, k, v, cu_seqlens, causal, softmax_scale) -> Tensor:
+    """float32 ``[T, H, Dv]``: dense attention per sequence of ``cu_seqlens`` (the ``reference`` backend's)."""
     starts = cu_seqlens.tolist()
     out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
     for a, b in zip(starts[:-1], starts[1:]):
@@ -228,7 +228,7 @@ def attention(
         return flash_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=scale)
     if chosen == "fa4":
         return fa4_attention_varlen(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=scale)
-    return _reference_attention(q, k, v, cu_seqlens, causal, scale).to(q.dtype)
+    return reference_attention(q, k, v, cu_seqlens, causal, scale).to(q.dtype)
 
 
 def attention_nvfp4(
@@ -282,7 +282,7 @@ def attention_nvfp4(
             output=packed, output_scale=global_scale, output_block_scale=scales,
         )
         return packed, scales
-    out = _reference_attention(q, k, v, cu_seqlens, causal, scale)
+    out = reference_attention(q, k, v, cu_seqlens, causal, scale)
     return nvfp4.quantize_reference(out.reshape(t, h * dv), global_scale, swizzled=True)
 
 

@@ -66,11 +66,15 @@ def _dcp_world_size() -> int:
         return 1
 
 
-def decide(layer_name, q) -> "guard.Decision":
-    """The guard for one call (module docstring), from the layer's metadata in vLLM's forward context."""
+def _context(layer_name):
+    """``(attention metadata, layer)`` of ``layer_name`` from vLLM's forward context."""
     from vllm.model_executor.layers.attention.attention import get_attention_context
 
-    md, layer = get_attention_context(_name(layer_name))[:2]
+    return get_attention_context(_name(layer_name))[:2]
+
+
+def decide(layer_name, q, md, layer) -> "guard.Decision":
+    """The guard for one call (module docstring), from the layer and its metadata (:func:`_context`)."""
     if md is None:
         return guard.Decision("fallback", NO_METADATA, None, "no attention metadata (vLLM profile/dummy run)")
     decode, context = _batch_kind(md)
@@ -146,11 +150,8 @@ def _prefill_inputs(layer, md, inputs):
     return q, k, v, md.query_start_loc, md.max_query_len, layer.impl.scale
 
 
-def _run_fused(backend_name: str, layer_name, inputs, output, output_scale, output_block_scale) -> None:
+def _run_fused(backend_name: str, md, layer, inputs, output, output_scale, output_block_scale) -> None:
     """The fused backend on the batch's real rows; padding rows (vLLM pads for CUDA graphs) zeroed."""
-    from vllm.model_executor.layers.attention.attention import get_attention_context
-
-    md, layer = get_attention_context(_name(layer_name))[:2]
     q, k, v, cu_seqlens, max_seqlen, softmax_scale = _prefill_inputs(layer, md, inputs)
     n, tokens = q.shape[0], output.shape[0]
     packed = output.view(tokens, -1)
@@ -185,9 +186,10 @@ def _batch_kind(md):
 
 
 def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads) -> None:
-    decision = decide(layer_name, inputs[0])
+    md, layer = _context(layer_name)
+    decision = decide(layer_name, inputs[0], md, layer)
     if decision.fused:
-        _run_fused(decision.backend, layer_name, inputs, output, output_scale, output_block_scale)
+        _run_fused(decision.backend, md, layer, inputs, output, output_scale, output_block_scale)
     else:
         _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads)
     guard.record(decision)
