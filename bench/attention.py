@@ -62,6 +62,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("fusion_pass") is None:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
+from fusion_pass import nvfp4  # noqa: E402
 from fusion_pass.nvfp4 import round_up  # noqa: E402
 
 # --------------------------------------------------------------------------
@@ -172,19 +173,22 @@ class Kernels(NamedTuple):
     fa4_attention: Callable | None = None  # fa4_attention_varlen; None: FA4 unavailable (fa4_reason says why)
     fa4_attention_nvfp4: Callable | None = None  # fa4_attention_nvfp4_varlen
     fa4_reason: str = "not loaded"
+    quantize_rows_into: Callable | None = None  # the row-range launcher (nvfp4_quant.quantize_rows_into)
 
 
 def load_kernels() -> Kernels:
     """Import the launchers from fusion_pass.kernels (the FA4 ones when FA4 runs on this GPU)."""
     from fusion_pass.kernels import fa4_sm90
     from fusion_pass.kernels.flash_attention import flash_attention, flash_attention_nvfp4
-    from fusion_pass.kernels.nvfp4_quant import quantize
+    from fusion_pass.kernels.nvfp4_quant import quantize, quantize_rows_into
 
     ok, why = fa4_sm90.fa4_sm90_usable("cuda", DTYPE, 16, 192, 128)
     if not ok:
-        return Kernels(flash_attention, flash_attention_nvfp4, quantize, fa4_reason=why)
+        return Kernels(flash_attention, flash_attention_nvfp4, quantize, fa4_reason=why,
+                       quantize_rows_into=quantize_rows_into)
     return Kernels(flash_attention, flash_attention_nvfp4, quantize, fa4_sm90.fa4_attention_varlen,
-                   fa4_sm90.fa4_attention_nvfp4_varlen, fa4_reason=fa4_sm90.fa4_import_status()[1])
+                   fa4_sm90.fa4_attention_nvfp4_varlen, fa4_reason=fa4_sm90.fa4_import_status()[1],
+                   quantize_rows_into=quantize_rows_into)
 
 
 def time_ms(fn: Callable[[], object], warmup_ms: float = 50, rep_ms: float = 200) -> tuple[float, list[float]]:
@@ -421,8 +425,39 @@ def measure_quant(kernels: Kernels, *, device, seed: int, timing: dict, m: int =
     scales = torch.zeros(round_up(m, 128), round_up(k // 16, 4), dtype=FP8, device=device)
     ms, samples, error = timed(lambda: kernels.quantize(x, gs, swizzled=True, packed=packed, scales=scales), timing)
     nbytes = quant_bytes(m, k)
-    return {"m": m, "k": k, "elements": m * k, "bytes": nbytes, "ms": ms, "tbps": tera_per_s(nbytes, ms),
-            "samples_ms": samples, "error": error}
+    result = {"m": m, "k": k, "elements": m * k, "bytes": nbytes, "ms": ms, "tbps": tera_per_s(nbytes, ms),
+              "samples_ms": samples, "error": error}
+    if kernels.quantize_rows_into is not None and error is None:
+        result["rows"] = measure_rows(kernels, x, gs, packed, scales, timing)
+    return result
+
+
+ROWS_START = 64
+"""The row-range quantizer is measured writing rows [ROWS_START, M): a mixed batch's rows after its decode rows."""
+
+
+def measure_rows(kernels: Kernels, x, gs, packed, scales, timing: dict) -> dict:
+    """``quantize_rows_into`` of ``x[ROWS_START:]`` into rows ``[ROWS_START, M)`` of poisoned buffers: median
+    ms, effective TB/s, and whether the rows written equal the whole-buffer quantizer's bytes (``packed`` /
+    ``scales`` hold those) while rows ``< ROWS_START`` keep the poison."""
+    m, k = x.shape
+    rows_x = x[ROWS_START:]
+    out = torch.full_like(packed, 0xAB)
+    out_scales = torch.full_like(scales.view(torch.uint8), 0xAB)
+    ms, samples, error = timed(lambda: kernels.quantize_rows_into(rows_x, gs, out, out_scales, ROWS_START), timing)
+    nbytes = quant_bytes(m - ROWS_START, k)
+    check = None
+    if error is None:
+        n_blocks = round_up(k // 16, 4)
+        cols = torch.arange(n_blocks, device=x.device)
+        first = nvfp4.swizzled_offset(torch.arange(ROWS_START, device=x.device)[:, None], cols[None, :], k // 16)
+        later = nvfp4.swizzled_offset(torch.arange(ROWS_START, m, device=x.device)[:, None], cols[None, :], k // 16)
+        flat, ref = out_scales.view(-1), scales.view(torch.uint8).view(-1)
+        check = {"rows_equal": bool(torch.equal(out[ROWS_START:], packed[ROWS_START:])
+                                    and torch.equal(flat[later.flatten()], ref[later.flatten()])),
+                 "other_rows_untouched": bool((out[:ROWS_START] == 0xAB).all() and (flat[first.flatten()] == 0xAB).all())}
+    return {"row_start": ROWS_START, "rows": m - ROWS_START, "bytes": nbytes, "ms": ms,
+            "tbps": tera_per_s(nbytes, ms), "samples_ms": samples, "error": error, "check": check}
 
 
 def measure_copy(*, device, seed: int, timing: dict, nbytes: int = COPY_BYTES) -> dict:
@@ -565,6 +600,25 @@ def evaluate_fa4_targets(results: dict) -> list[dict]:
     return out
 
 
+ROWS_TARGET_TBPS = 3.4  # issue 11: 80% of the copy bandwidth, row-range and whole-buffer
+
+
+def evaluate_row_targets(results: dict) -> list[dict]:
+    """Issue 11's quantizer target (Q1): both quantizers at >= ROWS_TARGET_TBPS, row-range bytes checked."""
+    text = (f"NVFP4 quantizer, whole-buffer and row-range, >= {ROWS_TARGET_TBPS:.1f} TB/s effective at "
+            f"{QUANT_M * QUANT_K / 1e6:.0f}M elements")
+    quant = results.get("quant") or {}
+    rows = quant.get("rows")
+    if quant.get("tbps") is None or not rows or rows.get("tbps") is None:
+        return [target("Q1", text, "not measured", "a quantizer did not run")]
+    measured = f"whole-buffer {quant['tbps']:.2f} TB/s, row-range {rows['tbps']:.2f} TB/s"
+    check = rows.get("check") or {}
+    measured += (f"; row-range bytes equal the whole-buffer quantizer's: {check.get('rows_equal')}, "
+                 f"other rows untouched: {check.get('other_rows_untouched')}")
+    ok = min(quant["tbps"], rows["tbps"]) >= ROWS_TARGET_TBPS and all(check.values())
+    return [target("Q1", text, "met" if ok else "not met", measured)]
+
+
 def evaluate_targets(results: dict) -> list[dict]:
     """The four targets of the issue, each met / not met / not measured with the measured number."""
     return [target_quant(results), target_mla128(results), target_long(results), target_cudnn(results)]
@@ -618,6 +672,10 @@ def bandwidth_rows(results: dict) -> list[list[str]]:
     if quant:
         rows.append([f"NVFP4 quantize, bf16 [{quant['m']}, {quant['k']}] ({quant['elements'] / 1e6:.0f}M elements)",
                      fmt(quant["ms"], 3), fmt(quant["tbps"], 2)])
+        r = quant.get("rows")
+        if r:
+            rows.append([f"NVFP4 quantize_rows_into, rows [{r['row_start']}, {quant['m']}) of the same buffers",
+                         fmt(r["ms"], 3), fmt(r["tbps"], 2)])
     if copy:
         rows.append([f"device-to-device copy, {copy['bytes'] / 2**30:g} GiB (read + write)",
                      fmt(copy["ms"], 3), fmt(copy["tbps"], 2)])
@@ -690,6 +748,9 @@ def report_text(results: dict, meta: dict) -> str:
     if results.get("fa4_targets"):
         parts.append("FA4 targets (issue 9):")
         parts += [f"  [{status_word(t['status'])}] ({t['id']}) {t['text']}: {t['measured']}" for t in results["fa4_targets"]]
+    if results.get("row_targets"):
+        parts.append("Quantizer target (issue 11):")
+        parts += [f"  [{status_word(t['status'])}] ({t['id']}) {t['text']}: {t['measured']}" for t in results["row_targets"]]
     return "\n".join(parts)
 
 
@@ -758,6 +819,10 @@ def render_docs_section(results: dict, meta: dict) -> str:
             same = all(c["fa4_packed_equal"] == 1.0 and c["fa4_scales_equal"] == 1.0 for c in checks)
             lines.append(f"- FA4 fused bytes equal FA4 bf16 + quantize at {'every' if same else 'not every'} "
                          f"measured shape ({len(checks)} checked).")
+    row_targets = results.get("row_targets")
+    if row_targets:
+        lines += ["", "Quantizer target (issue 11; medians from this run):", ""]
+        lines += [f"- **{status_word(t['status'])}.** ({t['id']}) {t['text']}: {t['measured']}." for t in row_targets]
     return "\n".join(lines)
 
 
@@ -908,6 +973,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_benchmark(kernels, benchmark_shapes(args.quick), seed=args.seed, timing=timing)
     results["targets"] = evaluate_targets(results)
     results["fa4_targets"] = evaluate_fa4_targets(results)
+    results["row_targets"] = evaluate_row_targets(results)
 
     args.out.mkdir(parents=True, exist_ok=True)
     png, json_path = args.out / "attention_bench.png", args.out / "attention_bench.json"

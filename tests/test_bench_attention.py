@@ -237,3 +237,33 @@ def test_check_warnings_flag_disagreement_and_memory():
     assert len(lines) == 2
     assert "50.0%" in lines[0] and first["label"] in lines[0]
     assert "not below" in lines[1] and second["label"] in lines[1]
+
+
+def _with_rows(results, tbps, rows_equal=True, untouched=True):
+    m, k = ba.QUANT_M - ba.ROWS_START, ba.QUANT_K
+    nbytes = ba.quant_bytes(m, k)
+    ms = nbytes / (tbps * 1e12) * 1e3
+    results["quant"]["rows"] = {"row_start": ba.ROWS_START, "rows": m, "bytes": nbytes, "ms": ms,
+                                "tbps": ba.tera_per_s(nbytes, ms), "samples_ms": [ms], "error": None,
+                                "check": {"rows_equal": rows_equal, "other_rows_untouched": untouched}}
+    return results
+
+
+@pytest.mark.parametrize("whole, rows, equal, untouched, status", [
+    (3.5, 3.6, True, True, "met"),
+    (3.5, 3.3, True, True, "not met"),  # the row-range quantizer below the line
+    (3.3, 3.6, True, True, "not met"),  # the whole-buffer one below it
+    (3.5, 3.6, False, True, "not met"),  # fast but wrong bytes
+    (3.5, 3.6, True, False, "not met"),  # fast but wrote other rows
+])
+def test_row_range_quantizer_target(whole, rows, equal, untouched, status):
+    results = _with_rows(_results(quant_tbps=whole), rows, equal, untouched)
+    (t,) = ba.evaluate_row_targets(results)
+    assert (t["id"], t["status"]) == ("Q1", status)
+    assert f"row-range {rows:.2f} TB/s" in t["measured"] and f"whole-buffer {whole:.2f} TB/s" in t["measured"]
+    assert ba.bandwidth_rows(results)[1][0].startswith(f"NVFP4 quantize_rows_into, rows [{ba.ROWS_START}, ")
+
+
+def test_row_range_quantizer_target_not_measured_without_it():
+    (t,) = ba.evaluate_row_targets(_results())
+    assert t["status"] == "not measured"
