@@ -240,34 +240,68 @@ def post_quantize_rows(rows: Tensor, output_scale: Tensor, output: Tensor, outpu
     quantize_rows_into(x, output_scale, packed, scales, row_start)
 
 
-def split_batch(spec: Any) -> tuple[Any, Any]:
-    """``(decode sub-batch or None, prefill sub-batch)``: decode requests come first (vLLM's order)."""
-    n = spec.num_decodes
-    decodes = type(spec)(spec.requests[:n], spec.dcp_world_size) if n else None
-    return decodes, type(spec)(spec.requests[n:], spec.dcp_world_size)
+def _sub_batch(spec: Any, requests) -> Any:
+    """A batch of some of ``spec``'s requests (in their order)."""
+    return type(spec)(tuple(requests), spec.dcp_world_size)
+
+
+def fuses(backend: Any, request: Any) -> bool:
+    """Whether ``backend``'s fused kernel writes ``request``'s rows: a prefill, without cached context
+    unless the backend runs prefills with context (``handles_context``)."""
+    return not request.is_decode and (request.context_len == 0 or getattr(backend, "handles_context", False))
+
+
+def _runs(spec: Any, requests: list) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each run of adjacent rows that ``requests`` (in ``spec``'s order) cover."""
+    locs = spec.query_start_loc()
+    index = {r.request_id: i for i, r in enumerate(spec.requests)}
+    runs: list[list[int]] = []
+    for r in requests:
+        start = locs[index[r.request_id]]
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1][1] += r.query_len
+        else:
+            runs.append([start, r.query_len])
+    return [(a, n) for a, n in runs]
+
+
+def _rows(spec: Any, requests: list, device) -> Tensor:
+    """The global row indices of ``requests`` (members of ``spec``, in its order)."""
+    return torch.cat([torch.arange(a, a + n, device=device) for a, n in _runs(spec, requests)])
 
 
 def run_on_prefill(backend: "Backend", impl: Any, inputs: tuple, spec: Any,
                    output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
-    """``backend.run_varlen`` on the prefill rows of a batch without cached context, at their global rows.
+    """``backend.run_varlen`` on the rows of the requests it :func:`fuses`, at their global rows; every other
+    row computed as the unfused graph computes it and post-quantized into its rows.
 
-    Decode rows (the first ``D`` tokens, if any) are computed as the unfused graph computes them (the
-    layer's float32 runtime, rounded to the query dtype) and post-quantized into rows ``[0, D)``. The
-    prefill rows run the fused kernel with ``cu_seqlens`` starting at ``D``, so its epilogue writes rows
-    ``[D, T)`` of the same buffers; its key/value rows ``< D`` are never read.
+    The fused kernel runs first, once, over every prefill request (``cu_seqlens`` from the first prefill row
+    ``D``): its epilogue writes rows ``[D, T)`` and its entry point zeroes scale padding, which may reach into
+    the last 128-row tile. The rows it must not own are then overwritten: decode rows and prefills with
+    cached context the backend does not run (their key/value rows in the kernel's input are zeros, so the
+    kernel's values for them are discarded), computed by the layer's float32 runtime, rounded to the query
+    dtype and written by the row-range quantizer, which touches no other row.
     """
     q = inputs[0]
     t, d = spec.num_tokens, spec.num_decode_tokens
-    decodes, prefills = split_batch(spec)
-    if decodes is not None:
-        out = impl.forward(*(x[:d] for x in inputs), decodes)
-        post_quantize_rows(out.to(q.dtype), output_scale, output, output_block_scale, 0, t)
-    _, k, v = prefill_qkv(impl, tuple(x[d:] for x in inputs), prefills)
-    if d:
-        k = torch.cat([k.new_zeros((d, *k.shape[1:])), k])
-        v = torch.cat([v.new_zeros((d, *v.shape[1:])), v])
-    cu_seqlens, max_seqlen = varlen_meta(prefills, q.device, first_row=d)
+    fused = [r for r in spec.requests if fuses(backend, r)]
+    exact = [r for r in spec.requests if not fuses(backend, r)]
+    prefills = spec.requests[spec.num_decodes:]
+    # the common case, every prefill fused: their rows are [D, T), a view; else gathered
+    fused_rows = slice(d, t) if len(fused) == len(prefills) else _rows(spec, fused, q.device)
+    _, k, v = prefill_qkv(impl, tuple(x[fused_rows] for x in inputs), _sub_batch(spec, fused))
+    if k.shape[0] != t:  # the kernel reads rows at their global index: place them in T-row buffers
+        k_all, v_all = k.new_zeros((t, *k.shape[1:])), v.new_zeros((t, *v.shape[1:]))
+        k_all[fused_rows], v_all[fused_rows] = k, v
+        k, v = k_all, v_all
+    if exact:
+        out = impl.forward(*(x[_rows(spec, exact, q.device)] for x in inputs), _sub_batch(spec, exact)).to(q.dtype)
+    cu_seqlens, max_seqlen = varlen_meta(_sub_batch(spec, prefills), q.device, first_row=d)
     backend.run_varlen(q, k, v, cu_seqlens, max_seqlen, impl.softmax_scale, output, output_scale, output_block_scale)
+    offset = 0
+    for start, length in _runs(spec, exact):  # one row-range launch per run of adjacent rows (all decodes: one)
+        post_quantize_rows(out[offset:offset + length], output_scale, output, output_block_scale, start, t)
+        offset += length
 
 
 def run_fused_kernel(kernel: Callable[..., None], q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,

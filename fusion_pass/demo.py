@@ -60,7 +60,7 @@ class BatchResult:
     tokens: int
     prefill_tokens: int  # the batch's prefill rows (tokens of requests with more than one new token)
     fused_tokens: int  # of which the fused backend wrote, in every layer
-    path: str  # "fused" (every prefill row fused) or "fallback", as the run-time guard decided
+    path: str  # "fused" (every prefill row fused), "partial" (some) or "fallback", as the run-time guard decided
     reason: str | None  # the fallback reason
     backend: str | None  # the fused backend(s) that ran, e.g. "fa4" (None on fallback)
     bytes_equal_unfused: bool  # the o_proj's NVFP4 input, byte for byte, vs the unfused graph's
@@ -335,7 +335,7 @@ def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: 
                 fused_tokens = fused.decisions["tokens"]["prefill_fused"] // max(calls, 1)
                 reasons = sorted(fused.decisions["fallback"])
                 path = ("fused" if prefill and fused_tokens == prefill and not reasons
-                        else "fallback" if calls else "unfused")
+                        else "partial" if fused_tokens else "fallback" if calls else "unfused")
                 diff = (unfused.output.float() - out["eager"].output.float()).abs().max().item()
                 fused_by = ",".join(sorted(fused.decisions["fused_by_backend"])) or None
                 results.append(BatchResult(name, i, spec.kind, spec.num_tokens, prefill, fused_tokens, path,

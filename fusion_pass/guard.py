@@ -49,8 +49,10 @@ class Decision:
     """The guard's verdict for one attention call.
 
     ``path`` is ``"fused"`` (every prefill row is written by the fused backend
-    ``backend``; ``reason`` is None) or ``"fallback"`` (no row is; ``reason``
-    is one of :data:`FALLBACK_REASONS`, ``backend`` is None). ``detail`` says
+    ``backend``; ``reason`` is None), ``"partial"`` (some prefill rows are:
+    those of prefills with cached context the backend does not run are not) or
+    ``"fallback"`` (no row is; ``reason`` is one of :data:`FALLBACK_REASONS`,
+    ``backend`` is None). ``detail`` says
     more: the batch composition for the batch reasons, every backend's refusal
     for ``"no_backend"``, the chosen backend's description when fused.
 
@@ -59,7 +61,7 @@ class Decision:
     mixed batch's decode rows under ``"decode_tokens"``).
     """
 
-    path: Literal["fused", "fallback"]
+    path: Literal["fused", "partial", "fallback"]
     reason: str | None
     backend: str | None
     detail: str | None = None
@@ -69,7 +71,8 @@ class Decision:
 
     @property
     def fused(self) -> bool:
-        return self.path == "fused"
+        """The fused backend runs (on every prefill row, or on some: ``"partial"``)."""
+        return self.path in ("fused", "partial")
 
 
 def decide(
@@ -89,11 +92,13 @@ def decide(
     2. no prefill row (a decode-only batch): ``"decode_tokens"``;
     3. no backend is selected (:func:`fusion_pass.backends.select_backend`):
        ``"no_backend"`` with each backend's reason in ``detail``;
-    4. a prefill has cached context (chunked prefill, prefix-cache hit) and the
-       backend does not run such prefills: ``"chunked_prefill"``.
+    4. every prefill has cached context (chunked prefill, prefix-cache hit) and
+       the backend does not run such prefills: ``"chunked_prefill"``.
 
-    Otherwise every prefill row is fused and the decode rows (if any) are
-    post-quantized, counted under ``"decode_tokens"``.
+    Otherwise the prefill rows the backend runs (:func:`fusion_pass.backends.fuses`) are fused and the
+    rest post-quantized: decode rows counted under ``"decode_tokens"``, rows of prefills with cached
+    context the backend does not run under ``"chunked_prefill"``. ``path`` is ``"fused"`` when every
+    prefill row is fused, ``"partial"`` when some are.
     """
     t, d = spec.num_tokens, spec.num_decode_tokens
     prefill = t - d
@@ -108,13 +113,15 @@ def decide(
     backend, why = _backends.select_backend(device, dtype, num_heads, qk_head_dim, v_head_dim)
     if backend is None:
         return fallback("no_backend", why)
-    if spec.has_chunked_prefill and not getattr(backend, "handles_context", False):
-        chunked = sum(1 for r in spec.requests if r.is_chunked_prefill)
-        return fallback("chunked_prefill", f"{chunked} prefill request(s) with cached context; backend "
-                                           f"{backend.name} runs prefills without cached context only")
-    rest = {"decode_tokens": d} if d else {}
-    detail = why if not d else f"{why}; {d} decode row(s) post-quantized"
-    return Decision("fused", None, backend.name, detail, prefill, prefill, rest)
+    fused = sum(r.query_len for r in spec.requests if _backends.fuses(backend, r))
+    unfused = {"decode_tokens": d, "chunked_prefill": prefill - fused}
+    rest = {k: v for k, v in unfused.items() if v}
+    context = ("" if fused == prefill else f"; {prefill - fused} row(s) of prefills with cached context "
+               f"post-quantized: backend {backend.name} runs prefills without cached context only")
+    if fused == 0:
+        return fallback("chunked_prefill", context[2:])
+    detail = why + (f"; {d} decode row(s) post-quantized" if d else "") + context
+    return Decision("fused" if fused == prefill else "partial", None, backend.name, detail, prefill, fused, rest)
 
 
 # ---------------------------------------------------------------------------
@@ -133,7 +140,7 @@ def record(decision: Decision) -> None:
     """Count ``decision``; log the first fallback of each reason at INFO."""
     log = False
     with _lock:
-        if decision.path == "fused":
+        if decision.fused:
             _fused_by_backend[decision.backend] = _fused_by_backend.get(decision.backend, 0) + 1
         elif decision.path == "fallback":
             _fallback[decision.reason] = _fallback.get(decision.reason, 0) + 1
@@ -141,7 +148,7 @@ def record(decision: Decision) -> None:
                 _logged_reasons.add(decision.reason)
                 log = True
         else:
-            raise ValueError(f"decision.path must be 'fused' or 'fallback', got {decision.path!r}")
+            raise ValueError(f"decision.path must be 'fused', 'partial' or 'fallback', got {decision.path!r}")
         _tokens["prefill"] += decision.prefill_tokens
         _tokens["prefill_fused"] += decision.fused_tokens
         for reason, n in decision.post_quantized.items():

@@ -516,7 +516,7 @@ def _run_attention(op: str, q: Tensor, inputs: tuple, output, layer_name, output
         v_head_dim=impl.v_head_dim,
     )
     with _cache_rollback(impl):
-        if decision.path == "fused":
+        if decision.fused:
             backends.get_backend(decision.backend).run(impl, inputs, spec, output, output_scale, output_block_scale)
         else:
             out = _attention(impl, inputs, spec, q)
