@@ -65,6 +65,7 @@ if importlib.util.find_spec("fusion_pass") is None:  # a checkout without `pip i
 from fusion_pass import demo, guard, runtime  # noqa: E402
 from fusion_pass.fusion import FusionPass  # noqa: E402
 from fusion_pass.models import release_layers  # noqa: E402
+from fusion_pass.models.common import MAX_POSITION  # noqa: E402
 from fusion_pass.runtime import BatchSpec, RequestSpec  # noqa: E402
 
 # --------------------------------------------------------------------------
@@ -577,6 +578,12 @@ def config_from_args(args: argparse.Namespace) -> TraceConfig:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = config_from_args(args)
+    longest = cfg.prompt.high + cfg.decode.high
+    if longest > MAX_POSITION:
+        print(f"serving_trace.py: --prompt-mean / --decode-mean allow requests of up to {longest} tokens (prompt "
+              f"<= {cfg.prompt.high}, decode <= {cfg.decode.high}); the demo models' positions stop at "
+              f"{MAX_POSITION}", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("serving_trace.py: --device cuda, but torch.cuda.is_available() is False here", file=sys.stderr)
         return 2

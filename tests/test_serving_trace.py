@@ -212,3 +212,9 @@ def test_tiny_run_end_to_end(tmp_path):
     assert doc["pass"]["rewritten"] > 0 and doc["timing"]["skipped"]
     assert len(doc["per_step"]) == doc["steps"]
     assert "this guard" in proc.stdout
+
+
+def test_requests_longer_than_the_models_positions_are_refused(capsys):
+    assert st.FULL["prompt"].high + st.FULL["decode"].high <= st.MAX_POSITION, "the default schedule must fit"
+    assert st.main(["--schedule-only", "--prompt-mean", "5000"]) == 2
+    assert "the demo models' positions stop at 32768" in capsys.readouterr().err

@@ -9,13 +9,18 @@ from fusion_pass import runtime
 from fusion_pass.layers import NVFP4Linear
 
 
+MAX_POSITION = 32768
+"""Positions the demo models' rotary tables cover (a request's prompt + decode tokens must fit)."""
+
+
 class RotaryEmbedding(nn.Module):
     """GPT-NeoX-style rotary embedding (rotate halves) over the last dim of ``x``.
 
-    ``forward(positions int64 [T], x [T, heads, rotary_dim]) -> same shape and dtype``.
+    ``forward(positions int64 [T], x [T, heads, rotary_dim]) -> same shape and dtype``; positions
+    must lie in ``[0, max_position)`` (the table is indexed by them).
     """
 
-    def __init__(self, rotary_dim: int, max_position: int = 8192, base: float = 10000.0):
+    def __init__(self, rotary_dim: int, max_position: int = MAX_POSITION, base: float = 10000.0):
         super().__init__()
         if rotary_dim % 2:
             raise ValueError(f"RotaryEmbedding: rotary_dim must be even, got {rotary_dim}")
