@@ -4,14 +4,19 @@ GPU tests (need a CUDA SM90 device and the ``fa4`` extra; they skip with the rea
 otherwise): the fused kernel's bytes equal, exactly, ``nvfp4.quantize_reference`` of FA4's
 own bf16/fp16 output on the same inputs (:func:`fa4_attention_varlen`, the same main loop);
 every output byte is written (two different poisons give the same bytes); the scale
-buffer's padding rows are zero. CPU tests (no FA4 needed): detection reasons and argument
-checks, raised before FA4 is imported. One CPU test compiles (never runs) the SM90 kernel
-when FA4 is installed (`make test` installs the fa4 extra; without it, it skips).
+buffer's padding rows are zero. With keys in their own workspace (``cu_seqlens_k``: cached
+context then the new tokens, causal bottom-right) and queries from a row past 0, the same
+equality holds on the sequences' rows and the rows around them keep their poison; FA4's
+output and log-sum-exp are checked against float64 attention. CPU tests (no FA4 needed):
+detection reasons and argument checks, raised before FA4 is imported. One CPU test compiles
+(never runs) the SM90 kernel when FA4 is installed (`make test` installs the fa4 extra;
+without it, it skips).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import random
 import subprocess
@@ -201,6 +206,205 @@ def test_attention_op_with_fa4_fused_on_prefill_and_byte_equal_fallback_on_decod
 
 
 # ---------------------------------------------------------------------------
+# GPU: chunked prefill, keys in their own workspace (cu_seqlens_k)
+# ---------------------------------------------------------------------------
+
+# (name, H, Hkv, D, Dv)
+CONTEXT_HEADS = [("mla16", 16, 16, 192, 128), ("gqa", 32, 8, 128, 128), ("gqa_d64", 8, 2, 64, 64)]
+
+LSE_ATOL = 1e-3
+"""As tests/test_kernels.py's: float32 score dots (accumulation error ~1e-4 at D=192 for unit-normal
+inputs) bound the log-sum-exp's error; exp2/log2 approximations add a few 1e-7 relative."""
+
+
+def _context_lengths(seed: int, causal: bool, *, row0: bool = True):
+    """``(query_lens, key_lens, row0, tail)``: in random order one query, no context (``Lk = Lq``),
+    a long context (``Lk >> Lq``), no queries, random ones; non-causal also no keys and fewer keys
+    than queries. Queries start at row ``row0 > 0`` (when asked) and ``tail`` rows follow them."""
+    rng = random.Random(seed)
+    kinds = ["single", "no_context", "long_context", "no_queries"] + ["random"] * rng.randint(0, 2)
+    if not causal:
+        kinds += ["no_keys", "short_keys"]
+    rng.shuffle(kinds)
+    query_lens, key_lens = [], []
+    for kind in kinds:
+        lq = rng.randint(2, 300)
+        lk = lq + rng.randint(0, 1000)
+        if kind == "single":
+            lq, lk = 1, 1 + rng.randint(0, 1000)
+        elif kind == "no_context":
+            lk = lq
+        elif kind == "long_context":
+            lq = rng.randint(1, 3)
+            lk = lq + rng.randint(1000, 3000)
+        elif kind == "no_queries":
+            lq = 0
+        elif kind == "no_keys":
+            lk = 0
+        elif kind == "short_keys":
+            lk = rng.randint(1, lq - 1)
+        query_lens.append(lq)
+        key_lens.append(lk)
+    return query_lens, key_lens, (rng.randint(1, 300) if row0 else 0), (rng.randint(1, 5) if row0 else 0)
+
+
+def _cumulative(lengths, start=0):
+    return torch.tensor([start] + [start + s for s in itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+
+
+def _context_inputs(seed, h, hkv, d, dv, query_lens, key_lens, row0, tail, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    t, tk = row0 + sum(query_lens) + tail, sum(key_lens)
+    q = torch.randn(t, h, d, generator=gen).to("cuda", dtype)
+    k = torch.randn(tk, hkv, d, generator=gen).to("cuda", dtype)
+    v = (torch.randn(tk, hkv, dv, generator=gen) * torch.exp(torch.randn(tk, hkv, 1, generator=gen))).to("cuda", dtype)
+    return q, k, v, _cumulative(query_lens, row0), _cumulative(key_lens)
+
+
+def _reference_with_lse(q, k, v, cu, cu_k, causal, scale):
+    """float64 attention over each sequence's full keys, causal bottom-right: ``(out, lse)``,
+    rows outside the sequences 0 / -inf."""
+    t, h, _ = q.shape
+    group = h // k.shape[1]
+    out = torch.zeros(t, h, v.shape[2], dtype=torch.float64, device=q.device)
+    lse = torch.full((t, h), float("-inf"), dtype=torch.float64, device=q.device)
+    bounds, bounds_k = cu.tolist(), cu_k.tolist()
+    for a, b, ka, kb in zip(bounds[:-1], bounds[1:], bounds_k[:-1], bounds_k[1:]):
+        ks = k[ka:kb].double().repeat_interleave(group, 1)
+        vs = v[ka:kb].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), ks) * scale
+        if causal:
+            visible = torch.ones(b - a, kb - ka, dtype=torch.bool, device=q.device).tril((kb - ka) - (b - a))
+            scores = scores.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(scores, -1)
+        p = torch.exp(scores - torch.where(row_lse.isneginf(), 0.0, row_lse)[..., None])
+        out[a:b] = torch.einsum("hqk,khd->qhd", p, vs)
+        lse[a:b] = row_lse.t()
+    return out, lse
+
+
+@gpu
+@pytest.mark.parametrize("heads", CONTEXT_HEADS, ids=[c[0] for c in CONTEXT_HEADS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_bytes_with_context_equal_quantize_of_fa4_output(heads, dtype):
+    """With ``cu_seqlens_k`` and queries from row ``cu_seqlens[0] > 0``: the rows of the sequences
+    hold exactly ``quantize_reference`` of FA4's own output on the same inputs (both poisons), the
+    rows before and after keep their poison, the scale padding is zero."""
+    name, h, hkv, d, dv = heads
+    seed = fresh_seed()
+    query_lens, key_lens, row0, tail = _context_lengths(seed, True)
+    q, k, v, cu, cu_k = _context_inputs(seed, h, hkv, d, dv, query_lens, key_lens, row0, tail, dtype)
+    where = f"{name}: seed {seed}, Lq {query_lens}, Lk {key_lens}, row0 {row0}, tail {tail}"
+    scale = d ** -0.5
+    t, a, e = q.shape[0], row0, q.shape[0] - tail
+    ctx = dict(cu_seqlens_k=cu_k, max_seqlen_k=max(key_lens))
+    ref = kernels.fa4_attention_varlen(q, k, v, cu, max(query_lens), causal=True, softmax_scale=scale, **ctx)
+    ref = ref[a:e].reshape(e - a, h * dv)
+    gs = torch.tensor([448 * 6 / max(ref.float().abs().max().item(), 1e-6)], dtype=torch.float32, device="cuda")
+    want_packed, want_scales = nvfp4.quantize_reference(ref.cpu(), gs.cpu(), swizzled=False)
+    rows, cols = nvfp4.scale_shape(t, h * dv)
+    blocks = h * dv // 16
+    for poison_out, poison_scale in ((0xA5, 0x5A), (0x00, 0xFF)):
+        packed = torch.full((t, h * dv // 2), poison_out, dtype=torch.uint8, device="cuda")
+        scales = torch.full((rows, cols), poison_scale, dtype=torch.uint8, device="cuda")
+        kernels.fa4_attention_nvfp4_varlen(
+            q, k, v, cu_seqlens=cu, max_seqlen=max(query_lens), softmax_scale=scale, causal=True,
+            output=packed, output_scale=gs, output_block_scale=scales.view(torch.float8_e4m3fn), **ctx,
+        )
+        torch.cuda.synchronize()
+        packed = packed.cpu()
+        linear = nvfp4.unswizzle_scales(scales.cpu().view(torch.float8_e4m3fn), rows, cols).view(torch.uint8)
+        bad = (packed[a:e] != want_packed).nonzero()
+        assert len(bad) == 0, (
+            f"{len(bad)} packed bytes differ from quantize(FA4 output), first {bad[:8].tolist()} ({where})")
+        diff = (linear[a:e, :blocks] != want_scales.view(torch.uint8)).sum().item()
+        assert diff == 0, f"{diff} scale bytes differ from quantize(FA4 output) ({where})"
+        assert (packed[:a] == poison_out).all() and (packed[e:] == poison_out).all(), f"rows outside written ({where})"
+        assert (linear[:a, :blocks] == poison_scale).all() and (linear[e:t, :blocks] == poison_scale).all(), (
+            f"scales of rows outside written ({where})")
+        assert not linear[t:].any() and not linear[:, blocks:].any(), f"scale padding not zero ({where})"
+
+
+@gpu
+@pytest.mark.parametrize("heads", CONTEXT_HEADS, ids=[c[0] for c in CONTEXT_HEADS])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_fa4_output_and_lse_with_context_against_float64(heads, causal):
+    """``fa4_attention_varlen(..., cu_seqlens_k, return_lse=True)``: the output within the half-output
+    criterion of float64 attention over the full sequences (causal bottom-right), the LSE a
+    ``[T, H]`` view of FA4's ``[H, T]`` buffer within :data:`LSE_ATOL`, ``-inf`` (output 0) where a
+    row sees no key (non-causal sequences without keys)."""
+    name, h, hkv, d, dv = heads
+    seed = fresh_seed()
+    query_lens, key_lens, row0, tail = _context_lengths(seed, causal)
+    dtype = (torch.bfloat16, torch.float16)[seed % 2]
+    q, k, v, cu, cu_k = _context_inputs(seed, h, hkv, d, dv, query_lens, key_lens, row0, tail, dtype)
+    where = f"{name}: seed {seed}, Lq {query_lens}, Lk {key_lens}, row0 {row0}"
+    scale = d ** -0.5
+    rows = slice(row0, q.shape[0] - tail)
+    out, lse = kernels.fa4_attention_varlen(q, k, v, cu, max(query_lens), causal=causal, softmax_scale=scale,
+                                            cu_seqlens_k=cu_k, max_seqlen_k=max(key_lens), return_lse=True)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert lse.shape == (q.shape[0], h) and lse.stride() == (1, q.shape[0]), "lse must be the [T, H] view of [H, T]"
+    ref, ref_lse = _reference_with_lse(q, k, v, cu, cu_k, causal, scale)
+    rel = ((out[rows].double() - ref[rows]).norm() / ref[rows].norm()).item()
+    assert rel < 1e-2, f"relative error {rel:.2e} ({where})"
+    got, want = lse[rows].double(), ref_lse[rows]
+    empty = want.isneginf()
+    assert torch.equal(got.isneginf(), empty), f"-inf exactly where a row sees no key ({where})"
+    assert not out[rows][empty].any(), f"rows without keys must be 0 ({where})"
+    err = (got[~empty] - want[~empty]).abs().max().item()
+    assert err <= LSE_ATOL, f"log-sum-exp off by {err:.2e} ({where})"
+
+
+@gpu
+def test_public_entry_points_take_fa4_with_context():
+    """``attention`` / ``attention_with_lse`` / ``attention_nvfp4`` with ``cu_seqlens_k`` and
+    ``backend="fa4"``: FA4's forward (float32 copy, LSE view) and the fused kernel's bytes equal to
+    ``quantize_reference`` of FA4's output."""
+    seed = fresh_seed()
+    query_lens, key_lens, _, _ = _context_lengths(seed, True, row0=False)
+    q, k, v, cu, cu_k = _context_inputs(seed, 32, 8, 128, 128, query_lens, key_lens, 0, 0, torch.bfloat16)
+    where = f"seed {seed}, Lq {query_lens}, Lk {key_lens}"
+    max_q, t = max(query_lens), q.shape[0]
+    want, want_lse = kernels.fa4_attention_varlen(q, k, v, cu, max_q, causal=True, softmax_scale=128**-0.5,
+                                                  cu_seqlens_k=cu_k, return_lse=True)
+    assert torch.equal(kernels.attention(q, k, v, cu, max_q, backend="fa4", cu_seqlens_k=cu_k), want), where
+    out, lse = kernels.attention_with_lse(q, k, v, cu, max_q, backend="fa4", cu_seqlens_k=cu_k,
+                                          max_seqlen_k=max(key_lens))
+    assert out.dtype == torch.float32 and torch.equal(out, want.float()) and torch.equal(lse, want_lse), where
+    gs = torch.tensor([100.0], device="cuda")
+    packed, scales = kernels.attention_nvfp4(q, k, v, cu, max_q, gs, backend="fa4", cu_seqlens_k=cu_k)
+    ref = nvfp4.quantize_reference(want.reshape(t, -1).cpu(), gs.cpu())
+    assert torch.equal(packed.cpu(), ref[0]), where
+    assert torch.equal(scales.cpu().view(torch.uint8), ref[1].view(torch.uint8)), where
+
+
+@gpu
+def test_fused_call_with_context_does_not_synchronize():
+    """The fused call reads no value back (``torch.cuda.set_sync_debug_mode("error")``), once compiled."""
+    seed = fresh_seed()
+    query_lens, key_lens, row0, tail = _context_lengths(seed, True)
+    q, k, v, cu, cu_k = _context_inputs(seed, 16, 16, 192, 128, query_lens, key_lens, row0, tail, torch.bfloat16)
+    t = q.shape[0]
+    rows, cols = nvfp4.scale_shape(t, 16 * 128)
+    bufs = dict(output=torch.empty(t, 16 * 64, dtype=torch.uint8, device="cuda"),
+                output_scale=torch.ones(1, device="cuda"),
+                output_block_scale=torch.empty(rows, cols // 4, dtype=torch.int32, device="cuda"))
+
+    def call():
+        kernels.fa4_attention_nvfp4_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max(query_lens), softmax_scale=0.1,
+                                           causal=True, cu_seqlens_k=cu_k, max_seqlen_k=max(key_lens), **bufs)
+
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+# ---------------------------------------------------------------------------
 # CPU: detection and argument checks, without FA4
 # ---------------------------------------------------------------------------
 
@@ -232,6 +436,21 @@ def _cpu_args(t=10, h=4, hkv=4, d=128, dv=128, dtype=torch.bfloat16):
         (lambda a: {**a, "output_scale": torch.ones(2)}, ValueError, r"output_scale must be a one-element float32"),
         (lambda a: {**a, "output_block_scale": a["output_block_scale"][:-1]}, ValueError,
          r"output_block_scale must be a contiguous buffer of round_up\(T,128\)"),
+        (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens"].long()}, ValueError, r"cu_seqlens_k must be a 1-D int32"),
+        (lambda a: {**a, "cu_seqlens_k": torch.tensor([0, 4, 8, 10], dtype=torch.int32)}, ValueError,
+         r"cu_seqlens_k must have B \+ 1 = 3 entries like cu_seqlens, got 4"),
+        (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens"].to("meta")}, ValueError,
+         r"cu_seqlens_k must be on q's device"),
+        (lambda a: {**a, "cu_seqlens_k": torch.tensor([0, 0, 4, 0, 10, 0], dtype=torch.int32)[::2]}, ValueError,
+         r"cu_seqlens_k must be contiguous"),
+        (lambda a: {**a, "max_seqlen_k": 6}, ValueError, r"max_seqlen_k=6 is given without cu_seqlens_k"),
+        (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens"], "max_seqlen_k": 6.0}, ValueError,
+         r"max_seqlen_k must be None or a non-negative int"),
+        (lambda a: {**a, "cu_seqlens_k": a["cu_seqlens"], "k": torch.zeros(7, 4, 128, dtype=torch.bfloat16)},
+         ValueError, r"k and v must have the same number of tokens Tk"),
+        (lambda a: {**a, "k": torch.zeros(7, 4, 128, dtype=torch.bfloat16),
+                    "v": torch.zeros(7, 4, 128, dtype=torch.bfloat16)}, ValueError,
+         r"same number of tokens T \(or pass cu_seqlens_k\)"),
     ],
 )
 def test_nvfp4_entry_rejects_bad_arguments_before_importing_fa4(change, error, match, monkeypatch):
@@ -261,6 +480,22 @@ def test_bf16_entry_rejects_bad_arguments_before_importing_fa4(monkeypatch):
         fa4_sm90.fa4_attention_varlen(q[0], k, v, cu, 6, causal=True, softmax_scale=0.1)
     with pytest.raises(ValueError, match=r"same number of tokens"):
         fa4_sm90.fa4_attention_varlen(q[:5], k, v, cu, 6, causal=True, softmax_scale=0.1)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must have B \+ 1 = 3 entries"):
+        fa4_sm90.fa4_attention_varlen(q, k, v, cu, 6, causal=True, softmax_scale=0.1, cu_seqlens_k=cu[:2])
+    with pytest.raises(ValueError, match=r"return_lse must be a bool"):
+        fa4_sm90.fa4_attention_varlen(q, k, v, cu, 6, causal=True, softmax_scale=0.1, return_lse=1)
+
+
+def test_fa4_checks_take_keys_from_their_own_workspace():
+    """With ``cu_seqlens_k``, k/v may hold another number of tokens than q (values not read: no sync)."""
+    q, _, _, cu, *_ = _cpu_args()
+    k = torch.zeros(23, 4, 128, dtype=torch.bfloat16)
+    v = torch.zeros(23, 4, 128, dtype=torch.bfloat16)
+    cu_k = torch.tensor([0, 9, 23], dtype=torch.int32)
+    fa4_sm90.check_fa4_args("f", q, k, v, cu, 6, 0.1, True, cu_k, 14)
+    fa4_sm90.check_fa4_args("f", q, k, v, cu, 6, 0.1, True, cu_k, None)
+    with pytest.raises(ValueError, match=r"same number of tokens T \(or pass cu_seqlens_k\)"):
+        fa4_sm90.check_fa4_args("f", q, k, v, cu, 6, 0.1, True)
 
 
 def test_kernel_config_mirrors_fa4s_sm90_tiles():
@@ -323,17 +558,22 @@ def test_sm90_kernel_compiles_on_the_cpu():
         from torch._subclasses.fake_tensor import FakeTensorMode
         from fusion_pass.kernels import fa4_sm90
         with FakeTensorMode(allow_non_fake_inputs=True):
-            for h, hkv, d, dv, dtype in ((16, 16, 192, 128, torch.bfloat16), (32, 8, 128, 128, torch.float16)):
+            for h, hkv, d, dv, dtype, tk in ((16, 16, 192, 128, torch.bfloat16, None),
+                                             (32, 8, 128, 128, torch.float16, None),
+                                             (16, 16, 192, 128, torch.float16, 3000)):  # keys in their own workspace
                 t = 1000
                 q = torch.empty(t, h, d, dtype=dtype, device="cuda")
-                k = torch.empty(t, hkv, d, dtype=dtype, device="cuda")
-                v = torch.empty(t, hkv, dv, dtype=dtype, device="cuda")
+                k = torch.empty(tk or t, hkv, d, dtype=dtype, device="cuda")
+                v = torch.empty(tk or t, hkv, dv, dtype=dtype, device="cuda")
                 cu = torch.empty(4, dtype=torch.int32, device="cuda")
+                ctx = {} if tk is None else dict(cu_seqlens_k=torch.empty(4, dtype=torch.int32, device="cuda"),
+                                                 max_seqlen_k=2000)
                 gs = torch.empty(1, dtype=torch.float32, device="cuda")
                 out = torch.empty(t, h * dv // 2, dtype=torch.uint8, device="cuda")
                 sf = torch.empty(1024 * ((h * dv // 16 + 3) // 4 * 4), dtype=torch.uint8, device="cuda")
                 fa4_sm90.fa4_attention_nvfp4_varlen(q, k, v, cu_seqlens=cu, max_seqlen=700, softmax_scale=0.1,
-                                                    causal=True, output=out, output_scale=gs, output_block_scale=sf)
+                                                    causal=True, output=out, output_scale=gs, output_block_scale=sf,
+                                                    **ctx)
         print("compiled", len(fa4_sm90._jit_cache().cache) if hasattr(fa4_sm90._jit_cache(), "cache") else "")
     """)
     env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132")

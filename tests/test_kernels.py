@@ -3,14 +3,18 @@
 On a CUDA device they run compiled; without one, in Triton's interpreter
 (``TRITON_INTERPRET=1``, set by conftest.py) on tiny shapes, so a kernel
 regression is caught on the CPU too. Every run draws fresh random inputs; the
-seed is in each failure message.
+seed is in each failure message. Chunked prefill (keys in their own workspace,
+``cu_seqlens_k``; causal bottom-right) is checked against float64 attention over
+the full sequences, output, log-sum-exp and NVFP4 bytes.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -398,3 +402,415 @@ def test_attention_op_fuses_prefill_and_falls_back_byte_equal_on_decode():
     finally:
         runtime.unregister_layer("test_kernels.attn")
         runtime.clear_kv_caches()
+
+
+# ---------------------------------------------------------------------------
+# chunked prefill: keys/values in their own workspace (cu_seqlens_k), causal bottom-right
+# ---------------------------------------------------------------------------
+
+# (num_heads, num_kv_heads, Dqk, Dv)
+CONTEXT_HEADS = (
+    [(16, 16, 192, 128), (8, 2, 128, 128)] if CUDA else [(2, 2, 192, 128), (4, 2, 128, 128)]
+)  # MLA prefill dims; GQA
+CONTEXT_MAX_QUERIES, CONTEXT_MAX_KEYS = (300, 2000) if CUDA else (20, 60)
+
+LSE_ATOL = 1e-3
+"""Log-sum-exp against float64 (same half inputs): the kernel's scores are float32 dots whose
+accumulation error is at most ``Dqk * 2^-24 * scale * sum_d |q_d k_d|`` (~1.3e-4 for Dqk=192 and
+unit-normal inputs, where ``scale * sum_d |q_d k_d|`` is about 11), and ``|d lse| <= max_j |d s_j|``
+plus the exp2/log2 rounding (a few 1e-7 relative, lse ~ 10). 1e-3 leaves a ~8x margin."""
+
+
+@dataclass(frozen=True)
+class ContextCase:
+    """Per sequence ``Lq`` new tokens attending to ``Lk`` keys (``Lk - Lq`` context tokens when
+    causal); queries at rows ``row0 + ...`` of a ``row0 + sum(Lq) + tail``-row q."""
+
+    seed: int
+    query_lens: tuple[int, ...]
+    key_lens: tuple[int, ...]
+    row0: int
+    tail: int
+
+    def __str__(self) -> str:
+        lengths = f"Lq {list(self.query_lens)}, Lk {list(self.key_lens)}"
+        return f"seed {self.seed}: {lengths}, row0 {self.row0}, tail {self.tail}"
+
+
+def context_case(seed: int, causal: bool, *, row0: bool = True) -> ContextCase:
+    """A batch holding, in random order: one query, no context (``Lk = Lq``), a long context
+    (``Lk >> Lq``), no queries (``Lq = 0``), random ones; non-causal also no keys (``Lk = 0``)
+    and fewer keys than queries."""
+    rng = random.Random(seed)
+    qmax, kmax = CONTEXT_MAX_QUERIES, CONTEXT_MAX_KEYS
+    kinds = ["single", "no_context", "long_context", "no_queries"] + ["random"] * rng.randint(0, 2)
+    if not causal:
+        kinds += ["no_keys", "short_keys"]
+    rng.shuffle(kinds)
+    query_lens, key_lens = [], []
+    for kind in kinds:
+        lq = rng.randint(2, qmax)
+        lk = lq + rng.randint(0, kmax // 2)
+        if kind == "single":
+            lq, lk = 1, 1 + rng.randint(0, kmax // 2)
+        elif kind == "no_context":
+            lk = lq
+        elif kind == "long_context":
+            lq = rng.randint(1, 3)
+            lk = lq + rng.randint(kmax // 2, kmax)
+        elif kind == "no_queries":
+            lq = 0
+        elif kind == "no_keys":
+            lk = 0
+        elif kind == "short_keys":
+            lk = rng.randint(1, lq - 1)
+        query_lens.append(lq)
+        key_lens.append(lk)
+    first_row = rng.randint(1, 300 if CUDA else 9) if row0 else 0
+    return ContextCase(seed, tuple(query_lens), tuple(key_lens), first_row, rng.randint(1, 3) if row0 else 0)
+
+
+def cumulative(lengths, start: int = 0) -> torch.Tensor:
+    return torch.tensor([start] + [start + s for s in itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+
+
+def context_inputs(case: ContextCase, heads, dtype):
+    num_heads, num_kv_heads, dqk, dv = heads
+    gen = torch.Generator().manual_seed(case.seed)
+    t = case.row0 + sum(case.query_lens) + case.tail
+    tk = sum(case.key_lens)
+    q = randn(gen, t, num_heads, dqk, dtype=dtype)
+    k = randn(gen, tk, num_kv_heads, dqk, dtype=dtype)
+    v = randn(gen, tk, num_kv_heads, dv, dtype=dtype)
+    return q, k, v, cumulative(case.query_lens, case.row0), cumulative(case.key_lens)
+
+
+def _spans(cu: torch.Tensor):
+    bounds = cu.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def reference_context_attention(q, k, v, cu, cu_k, causal):
+    """float64 (on q's device) over each sequence's full keys, causal bottom-right (key ``j``
+    visible to query ``i`` iff ``j <= i + Lk - Lq``): ``(out [T, H, Dv], lse [T, H])`` on the CPU,
+    rows outside the sequences 0 / -inf."""
+    t, h, dqk = q.shape
+    group = h // k.shape[1]
+    out = torch.zeros(t, h, v.shape[2], dtype=torch.float64, device=q.device)
+    lse = torch.full((t, h), float("-inf"), dtype=torch.float64, device=q.device)
+    for (a, b), (ka, kb) in zip(_spans(cu), _spans(cu_k)):
+        ks = k[ka:kb].double().repeat_interleave(group, 1)
+        vs = v[ka:kb].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), ks) / math.sqrt(dqk)
+        if causal:
+            visible = torch.ones(b - a, kb - ka, dtype=torch.bool, device=q.device).tril((kb - ka) - (b - a))
+            scores = scores.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(scores, -1)
+        p = torch.exp(scores - torch.where(row_lse.isneginf(), 0.0, row_lse)[..., None])
+        out[a:b] = torch.einsum("hqk,khd->qhd", p, vs)
+        lse[a:b] = row_lse.t()
+    return out.cpu(), lse.cpu()
+
+
+def eager_half_context_attention(q, k, v, cu, cu_k):
+    """What an eager model computes: causal (bottom-right) SDPA in the input dtype, per sequence."""
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    for (a, b), (ka, kb) in zip(_spans(cu), _spans(cu_k)):
+        if b > a:
+            visible = torch.ones(b - a, kb - ka, dtype=torch.bool, device=q.device).tril((kb - ka) - (b - a))
+            qs = q[a:b].transpose(0, 1)
+            ks = k[ka:kb].repeat_interleave(group, 1).transpose(0, 1)
+            vs = v[ka:kb].repeat_interleave(group, 1).transpose(0, 1)
+            out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible).transpose(0, 1)
+    return out
+
+
+def assert_lse_close(lse, ref_lse, rows: slice, what: str) -> None:
+    got, want = lse[rows].cpu().double(), ref_lse[rows]
+    empty = want.isneginf()
+    assert torch.equal(got.isneginf(), empty), f"{what}: -inf exactly where a row sees no key"
+    assert got[~empty].isfinite().all(), f"{what}: non-finite log-sum-exp"
+    err = (got[~empty] - want[~empty]).abs().max().item() if (~empty).any() else 0.0
+    assert err <= LSE_ATOL, f"{what}: log-sum-exp off by {err:.2e} > {LSE_ATOL}"
+
+
+def test_generated_context_cases_cover_the_interesting_batches():
+    for seed in range(200):
+        for causal in (True, False):
+            case = context_case(seed, causal)
+            pairs = list(zip(case.query_lens, case.key_lens))
+            assert any(lq == 1 for lq, _ in pairs) and any(lq == 0 for lq, _ in pairs)
+            assert any(lk == lq > 0 for lq, lk in pairs), "no sequence without context"
+            assert any(lk >= 10 * lq > 0 for lq, lk in pairs), "no long context"
+            assert case.row0 > 0 and case.tail > 0
+            if causal:
+                assert all(lk >= lq for lq, lk in pairs)
+            else:
+                assert any(lk == 0 < lq for lq, lk in pairs) and any(0 < lk < lq for lq, lk in pairs)
+
+
+@pytest.mark.parametrize("heads", CONTEXT_HEADS, ids=lambda c: f"H{c[0]}kv{c[1]}d{c[2]}-{c[3]}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_context_attention_half_and_lse_against_float64(heads, causal):
+    """The launcher with ``cu_seqlens_k``: q's sequences start past row 0 and the rows around
+    them stay untouched (NaN poison); half and float32 outputs within the half-output criterion
+    of float64 attention over the full sequences; the LSE (written through a transposed
+    ``[H, T]`` buffer) within :data:`LSE_ATOL`, ``-inf`` where no key is visible."""
+    seed = random.SystemRandom().randrange(2**31)
+    case = context_case(seed, causal)
+    dtype = HALF[seed % 2]
+    q, k, v, cu, cu_k = context_inputs(case, heads, dtype)
+    t, h, dv = q.shape[0], q.shape[1], v.shape[2]
+    rows = slice(case.row0, t - case.tail)
+    ref, ref_lse = reference_context_attention(q, k, v, cu, cu_k, causal)
+    args = dict(causal=causal, cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens))
+    half = fa.flash_attention(q, k, v, cu, max(case.query_lens), out=torch.full((t, h, dv), float("nan"), dtype=dtype,
+                                                                                 device=DEVICE), **args)
+    out32 = torch.full((t, h, dv), float("nan"), device=DEVICE)
+    lse = torch.full((h, t), float("nan"), device=DEVICE).t()
+    fa.flash_attention(q, k, v, cu, max(case.query_lens), out=out32, lse=lse, **args)
+    for name, got in (("half", half), ("float32", out32), ("lse", lse)):
+        outside = torch.cat([got[: case.row0], got[t - case.tail :]])
+        assert outside.isnan().all(), f"{name}: rows outside the sequences were written ({case})"
+        assert not got[rows].isnan().any(), f"{name}: unwritten rows ({case})"
+    for name, got in (("half", half), ("float32", out32)):
+        rel = ((got[rows].cpu().double() - ref[rows]).norm() / ref[rows].norm()).item()
+        assert rel < 1e-2, f"{name} output: relative error {rel:.2e} ({case})"
+    assert not out32[rows].cpu()[ref_lse[rows].isneginf()].any(), f"rows without keys must be 0 ({case})"
+    assert_lse_close(lse, ref_lse, rows, str(case))
+
+
+@pytest.mark.parametrize("heads", CONTEXT_HEADS, ids=lambda c: f"H{c[0]}kv{c[1]}d{c[2]}-{c[3]}")
+def test_context_attention_nvfp4_within_fa4s_criterion_at_global_rows(heads):
+    """The fused backend's call (:func:`kernels.flash_attention_nvfp4_varlen`) with ``cu_seqlens_k``
+    and ``cu_seqlens[0] > 0``: the rows of the sequences within the criterion of
+    :func:`test_attention_nvfp4_output_within_fa4s_criterion` (errors against float64 over the
+    full sequences), every byte of them written (two poisons agree), the rows before and after
+    keep their poison, the scale padding is zero."""
+    seed = random.SystemRandom().randrange(2**31)
+    case = context_case(seed, True)
+    dtype = HALF[seed % 2]
+    q, k, v, cu, cu_k = context_inputs(case, heads, dtype)
+    t, h, dv = q.shape[0], q.shape[1], v.shape[2]
+    a, e = case.row0, t - case.tail
+    ref = reference_context_attention(q, k, v, cu, cu_k, True)[0].reshape(t, -1)
+    gs = torch.tensor([448 * 6 / ref[a:e].abs().max().item()], dtype=torch.float32, device=DEVICE)
+    rows, cols = nvfp4.scale_shape(t, h * dv)
+    blocks = h * dv // 16
+    runs = []
+    for poison in (0xAB, 0x00):
+        packed = torch.full((t, h * dv // 2), poison, dtype=torch.uint8, device=DEVICE)
+        scales = torch.full((rows, cols // 4), int.from_bytes(bytes([poison] * 4), "little", signed=True),
+                            dtype=torch.int32, device=DEVICE)  # vLLM's allocation
+        kernels.flash_attention_nvfp4_varlen(
+            q, k, v, cu_seqlens=cu, max_seqlen=max(case.query_lens), softmax_scale=1 / math.sqrt(q.shape[2]),
+            causal=True, output=packed, output_scale=gs, output_block_scale=scales, cu_seqlens_k=cu_k,
+            max_seqlen_k=max(case.key_lens),
+        )
+        linear = nvfp4.unswizzle_scales(scales.cpu().view(FP8), rows, cols).view(torch.uint8)
+        outside = torch.cat([packed[:a].cpu(), packed[e:].cpu()])
+        assert (outside == poison).all(), f"packed bytes outside rows [{a}, {e}) were written ({case})"
+        assert (linear[:a, :blocks] == poison).all() and (linear[e:t, :blocks] == poison).all(), (
+            f"scales outside rows [{a}, {e}) were written ({case})")
+        assert not linear[t:].any() and not linear[:, blocks:].any(), f"scale padding not zero ({case})"
+        runs.append((packed.cpu(), linear, scales.cpu().view(FP8)))
+    (packed, linear, scales), (packed2, linear2, _) = runs
+    assert torch.equal(packed[a:e], packed2[a:e]) and torch.equal(linear[a:e], linear2[a:e]), (
+        f"unwritten bytes in rows [{a}, {e}) ({case})")
+
+    kernel = nvfp4.dequantize(packed, scales, gs.cpu()).double()[a:e]
+    eager = eager_half_context_attention(q, k, v, cu, cu_k).reshape(t, -1)[a:e]
+    eager = nvfp4.dequantize(*nvfp4.quantize_reference(eager, gs), gs).cpu().double()
+    ref_packed, ref_scales = nvfp4.quantize_reference(ref[a:e].float(), gs.cpu())
+    step = code_step(ref_packed, ref_scales, gs).double()
+    kernel_err = (kernel - ref[a:e]).abs().max().item()
+    eager_err = (eager - ref[a:e]).abs().max().item()
+    allowed = 2 * eager_err + step.max().item()
+    assert kernel_err <= allowed, f"kernel error {kernel_err:.3e} > {allowed:.3e} (eager {eager_err:.3e}, {case})"
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_context_public_entry_points(causal):
+    """``attention`` / ``attention_with_lse`` / ``attention_nvfp4`` with ``cu_seqlens_k``: the
+    ``triton`` backend runs the launchers (same bytes), ``reference`` is dense float32 attention
+    with ``q_offset = Lk - Lq`` (float64-close), ``max_seqlen_k`` defaults from ``cu_seqlens_k``."""
+    seed = random.SystemRandom().randrange(2**31)
+    case = context_case(seed, causal, row0=False)
+    heads = CONTEXT_HEADS[seed % len(CONTEXT_HEADS)]
+    dtype = HALF[seed % 2]
+    q, k, v, cu, cu_k = context_inputs(case, heads, dtype)
+    t, h, dv = q.shape[0], q.shape[1], v.shape[2]
+    max_q, max_k = max(case.query_lens), max(case.key_lens)
+    ref, ref_lse = reference_context_attention(q, k, v, cu, cu_k, causal)
+    gs = torch.tensor([448 * 6 / ref.abs().max().item()], dtype=torch.float32, device=DEVICE)
+    ctx = dict(causal=causal, cu_seqlens_k=cu_k)
+
+    out32 = torch.empty(t, h, dv, device=DEVICE)
+    lse = torch.empty(t, h, device=DEVICE)
+    fa.flash_attention(q, k, v, cu, max_q, out=out32, lse=lse, **ctx)
+    got_out, got_lse = kernels.attention_with_lse(q, k, v, cu, max_q, backend="triton", **ctx)
+    assert got_out.dtype == got_lse.dtype == torch.float32 and got_lse.shape == (t, h)
+    assert torch.equal(got_out, out32) and torch.equal(got_lse, lse), f"attention_with_lse(triton) ({case})"
+    half = kernels.attention(q, k, v, cu, max_q, backend="triton", max_seqlen_k=max_k, **ctx)
+    assert torch.equal(half, fa.flash_attention(q, k, v, cu, max_q, **ctx)), f"attention(triton) ({case})"
+    if causal:
+        packed, scales = kernels.attention_nvfp4(q, k, v, cu, max_q, gs, backend="triton", **ctx)
+        want = fa.flash_attention_nvfp4(q, k, v, cu, max_q, gs, **ctx)
+        assert torch.equal(packed, want[0]) and torch.equal(scale_bytes(scales), scale_bytes(want[1])), str(case)
+
+    ref_out, ref_lse32 = kernels.attention_with_lse(q, k, v, cu, max_q, backend="reference", **ctx)
+    assert ((ref_out.cpu().double() - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())).item(), str(case)
+    assert_lse_close(ref_lse32, ref_lse, slice(0, t), f"reference ({case})")
+    dense_out = kernels.reference_attention(q, k, v, cu, causal, 1 / math.sqrt(q.shape[2]), cu_seqlens_k=cu_k)
+    assert torch.equal(dense_out, ref_out)
+    assert torch.equal(kernels.attention(q, k, v, cu, max_q, backend="reference", **ctx), ref_out.to(dtype))
+    packed, scales = kernels.attention_nvfp4(q, k, v, cu, max_q, gs, backend="reference", **ctx)
+    want = nvfp4.quantize_reference(ref_out.reshape(t, -1), gs)
+    assert torch.equal(packed, want[0]) and torch.equal(scale_bytes(scales), scale_bytes(want[1])), str(case)
+
+
+def test_context_attention_without_any_key():
+    """Non-causal sequences over an empty key workspace (``Tk = 0``): output 0, LSE -inf."""
+    q = torch.ones(7, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.empty(0, 1, 32, dtype=torch.bfloat16, device=DEVICE)
+    v = torch.empty(0, 1, 16, dtype=torch.bfloat16, device=DEVICE)
+    cu, cu_k = cumulative([3, 4]), cumulative([0, 0])
+    out, lse = kernels.attention_with_lse(q, k, v, cu, 4, cu_seqlens_k=cu_k, causal=False, backend="triton")
+    assert not out.any() and lse.isneginf().all()
+    ref_out, ref_lse = kernels.attention_with_lse(q, k, v, cu, 4, cu_seqlens_k=cu_k, causal=False, backend="reference")
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_cu_seqlens_k_equal_to_cu_seqlens_is_todays_kernel():
+    """Keys delimited by the queries' own ``cu_seqlens`` (``Lk = Lq``): the bytes of the call without it."""
+    gen, seed = fresh_generator()
+    q, k, v, cu = make_qkv(gen, 4, 2, 72, 32, [23, 1, 17], torch.bfloat16)
+    for causal in (True, False):
+        want = fa.flash_attention(q, k, v, cu, 23, causal=causal)
+        got = fa.flash_attention(q, k, v, cu, 23, causal=causal, cu_seqlens_k=cu.clone(), max_seqlen_k=23)
+        assert torch.equal(got, want), f"causal={causal} (seed {seed})"
+
+
+@pytest.mark.parametrize("t,width", [(5, 64), (150, 32), (128, 48), (300, 96), (1, 16), (256, 256)])
+def test_nvfp4_scale_padding_fill_touches_only_padding(t, width):
+    """The launchers' padding fill: rows ``>= t`` and block columns ``>= width/16`` zero, every other byte kept."""
+    from fusion_pass.kernels.checks import zero_nvfp4_scale_padding
+
+    rows, cols = nvfp4.scale_shape(t, width)
+    buf = torch.full((rows * cols,), 0xAB, dtype=torch.uint8, device=DEVICE)
+    zero_nvfp4_scale_padding(buf, t, width)
+    linear = nvfp4.unswizzle_scales(buf.view(rows, cols).cpu().view(FP8), rows, cols).view(torch.uint8)
+    padding = torch.zeros(rows, cols, dtype=torch.bool)
+    padding[t:] = True
+    padding[:, width // 16 :] = True
+    assert not linear[padding].any() and (linear[~padding] == 0xAB).all()
+
+
+# (entry point, change, error, match): q 10 tokens in [4, 6]; k/v 14 tokens in [6, 8]
+_CONTEXT_BAD = [
+    (lambda a: {"cu_k": a["cu_k"].long()}, ValueError, r"cu_seqlens_k must be a 1-D int32 tensor"),
+    (lambda a: {"cu_k": a["cu_k"][None]}, ValueError, r"cu_seqlens_k must be a 1-D int32 tensor"),
+    (lambda a: {"cu_k": torch.tensor([0, 6, 10, 14], dtype=torch.int32, device=DEVICE)}, ValueError,
+     r"cu_seqlens_k must have B \+ 1 = 3 entries like cu_seqlens, got 4"),
+    (lambda a: {"cu_k": a["cu_k"].to("meta")}, ValueError, r"cu_seqlens_k must be on q's device"),
+    (lambda a: {"cu_k": torch.tensor([0, 9, 6, 9, 14, 9], dtype=torch.int32, device=DEVICE)[::2]}, ValueError,
+     r"cu_seqlens_k must be contiguous"),
+    (lambda a: {"cu_k": torch.tensor([0, 6, 13], dtype=torch.int32, device=DEVICE)}, ValueError,
+     r"cu_seqlens_k must rise from 0 to Tk=14"),
+    (lambda a: {"cu_k": torch.tensor([0, 15, 14], dtype=torch.int32, device=DEVICE)}, ValueError,
+     r"cu_seqlens_k must rise from 0 to Tk=14 \(k's tokens\) without decreasing"),
+    (lambda a: {"cu_k": torch.tensor([0, 3, 14], dtype=torch.int32, device=DEVICE), "max_seqlen_k": None}, ValueError,
+     r"cu_seqlens_k gives sequence 0 3 keys for its 4 queries; .*needs Lk >= Lq"),
+    (lambda a: {"max_seqlen_k": 7}, ValueError, r"max_seqlen_k=7 is smaller than the longest key sequence \(8\)"),
+    (lambda a: {"max_seqlen_k": -1}, ValueError, r"max_seqlen_k must be None or a non-negative int"),
+    (lambda a: {"cu_k": None, "k": a["k"][:10], "v": a["v"][:10]}, ValueError,
+     r"max_seqlen_k=8 is given without cu_seqlens_k"),
+    (lambda a: {"cu_k": None, "max_seqlen_k": None}, ValueError,
+     r"same number of tokens T \(or pass cu_seqlens_k\)"),
+    (lambda a: {"v": a["v"][:13]}, ValueError, r"k and v must have the same number of tokens Tk"),
+    (lambda a: {"causal": 1}, ValueError, r"causal must be a bool"),
+]
+
+
+def _context_args():
+    q, _, _, cu = _args()
+    k = torch.zeros(14, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    v = torch.zeros(14, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    cu_k = torch.tensor([0, 6, 14], dtype=torch.int32, device=DEVICE)
+    return {"q": q, "k": k, "v": v, "cu": cu, "cu_k": cu_k, "max_seqlen_k": 8, "causal": True}
+
+
+_ENTRIES = {
+    "attention": lambda a, **kw: kernels.attention(a["q"], a["k"], a["v"], a["cu"], 6, **kw),
+    "attention_with_lse": lambda a, **kw: kernels.attention_with_lse(a["q"], a["k"], a["v"], a["cu"], 6, **kw),
+    "attention_nvfp4": lambda a, **kw: kernels.attention_nvfp4(a["q"], a["k"], a["v"], a["cu"], 6,
+                                                               torch.ones(1, device=DEVICE), **kw),
+}
+
+
+@pytest.mark.parametrize("entry", list(_ENTRIES))
+@pytest.mark.parametrize("change,error,match", _CONTEXT_BAD)
+def test_context_entries_reject_bad_cu_seqlens_k(entry, change, error, match):
+    args = _context_args()
+    args.update(change(args))
+    with pytest.raises(error, match=match):
+        _ENTRIES[entry](args, cu_seqlens_k=args["cu_k"], max_seqlen_k=args["max_seqlen_k"], causal=args["causal"],
+                        backend="reference")
+
+
+@pytest.mark.parametrize("entry", list(_ENTRIES))
+def test_context_entries_accept_fewer_keys_than_queries_when_not_causal(entry):
+    args = _context_args()
+    cu_k = torch.tensor([0, 3, 14], dtype=torch.int32, device=DEVICE)  # sequence 0: 3 keys, 4 queries
+    _ENTRIES[entry](args, cu_seqlens_k=cu_k, causal=False, backend="reference")
+
+
+@pytest.mark.parametrize(
+    "cu_k,match",
+    [
+        (lambda: torch.tensor([0, 6, 14], dtype=torch.int64, device=DEVICE), r"cu_seqlens_k must be a 1-D int32 tensor"),
+        (lambda: torch.tensor([0, 14], dtype=torch.int32, device=DEVICE), r"cu_seqlens_k must have B \+ 1 = 3 entries"),
+        (lambda: torch.tensor([0, 6, 14], dtype=torch.int32, device="meta"), r"cu_seqlens_k must be on q's device"),
+        (lambda: torch.tensor([0, 0, 6, 0, 14, 0], dtype=torch.int32, device=DEVICE)[::2],
+         r"cu_seqlens_k must be contiguous"),
+    ],
+    ids=["int64", "length", "device", "strided"],
+)
+def test_fused_call_rejects_bad_cu_seqlens_k_without_reading_it(cu_k, match):
+    a = _context_args()
+    cu_k = cu_k()  # built on the device: moving a strided tensor there would make it contiguous
+    rows, cols = nvfp4.scale_shape(10, 4 * 16)
+    with pytest.raises(ValueError, match=match):
+        kernels.flash_attention_nvfp4_varlen(
+            a["q"], a["k"], a["v"], cu_seqlens=a["cu"], max_seqlen=6, softmax_scale=0.1, causal=True,
+            output=torch.zeros(10, 32, dtype=torch.uint8, device=DEVICE), output_scale=torch.ones(1, device=DEVICE),
+            output_block_scale=torch.zeros(rows, cols, dtype=torch.uint8, device=DEVICE), cu_seqlens_k=cu_k,
+        )
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device: device synchronizations are detected on CUDA only")
+def test_fused_call_with_cu_seqlens_k_does_not_synchronize():
+    """The fused backend's call reads no value back (``torch.cuda.set_sync_debug_mode("error")``)."""
+    seed = random.SystemRandom().randrange(2**31)
+    case = context_case(seed, True)
+    q, k, v, cu, cu_k = context_inputs(case, CONTEXT_HEADS[1], torch.bfloat16)
+    t, h, dv = q.shape[0], q.shape[1], v.shape[2]
+    rows, cols = nvfp4.scale_shape(t, h * dv)
+    bufs = dict(output=torch.empty(t, h * dv // 2, dtype=torch.uint8, device=DEVICE),
+                output_scale=torch.ones(1, device=DEVICE),
+                output_block_scale=torch.empty(rows, cols // 4, dtype=torch.int32, device=DEVICE))
+
+    def call():
+        kernels.flash_attention_nvfp4_varlen(
+            q, k, v, cu_seqlens=cu, max_seqlen=max(case.query_lens), softmax_scale=0.1, causal=True,
+            cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens), **bufs,
+        )
+
+    call()  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

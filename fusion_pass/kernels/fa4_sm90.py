@@ -8,6 +8,9 @@ Entry points (tensors in, tensors out; no knowledge of backends or batches):
 * :func:`fa4_attention_nvfp4_varlen` — :class:`~fusion_pass.kernels.fa4_sm90_kernel.FlashAttentionForwardSm90Nvfp4`
   (FA4's SM90 kernel with an NVFP4 epilogue) writing into the caller's buffers.
 
+Both take an optional ``cu_seqlens_k``: keys/values in their own packed workspace (cached
+context followed by the new tokens), causal aligned bottom-right as FA4 does it.
+
 This module imports without FA4: ``flash_attn.cute`` / ``cutlass`` are imported on the first
 call, after the arguments are checked (:func:`check_fa4_args`). Needs the ``fa4`` extra
 (``pip install 'attn-nvfp4-fusion[fa4]'``), pinned to the release the subclass was written
@@ -31,7 +34,14 @@ import warnings
 import torch
 from torch import Tensor
 
-from fusion_pass.kernels.checks import HALF_DTYPES, check_qkv, describe
+from fusion_pass.kernels.checks import (
+    HALF_DTYPES,
+    check_cu_seqlens_k,
+    check_max_seqlen_k,
+    check_qkv,
+    describe,
+    zero_nvfp4_scale_padding,
+)
 
 __all__ = [
     "FA4_VERSION",
@@ -92,9 +102,14 @@ def _epilogue_threads(tile_m: int) -> int:
     return 128 * (tile_m // 64)  # FA4 SM90: one 128-thread warpgroup per 64 rows of the tile
 
 
-def check_fa4_args(fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal) -> None:
-    """Shapes, dtypes, devices and head dims the FA4 SM90 kernels accept (no FA4 import, no sync)."""
-    check_qkv(fn, q, k, v)
+def check_fa4_args(
+    fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k=None, max_seqlen_k=None
+) -> None:
+    """Shapes, dtypes, devices and head dims the FA4 SM90 kernels accept (no FA4 import, no sync).
+
+    With ``cu_seqlens_k``, ``k``/``v`` may have another token count than ``q``; its values
+    (and ``cu_seqlens``'s) are not read."""
+    check_qkv(fn, q, k, v, separate_kv=cu_seqlens_k is not None)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or _address(t) % 16:
             raise ValueError(
@@ -113,6 +128,9 @@ def check_fa4_args(fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, caus
         raise ValueError(f"{fn}: cu_seqlens must be contiguous int32 [B + 1 >= 2] on {q.device}, got {describe(cu_seqlens)}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ValueError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    if cu_seqlens_k is not None:
+        check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
+    check_max_seqlen_k(fn, max_seqlen_k, cu_seqlens_k)
     if (
         isinstance(softmax_scale, bool)
         or not isinstance(softmax_scale, (int, float))
@@ -269,8 +287,12 @@ def _jit_cache():
     return _cache
 
 
-def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens, softmax_scale, causal):
+def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens, softmax_scale, causal,
+                         cu_seqlens_k=None):
     """The compiled fused kernel for these tensors' static properties (compiling on a miss).
+
+    ``cu_seqlens_k`` (default ``cu_seqlens``) only shapes the compile arguments: the token
+    counts and the two offset tensors are run-time values, so one compilation serves both.
 
     Works on real CUDA tensors and, for compile-only checks without a GPU, on fake
     ``device="cuda"`` tensors under ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_90a``.
@@ -315,6 +337,7 @@ def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens,
             if kernel.tile_hdimv != dv:  # the epilogue assumes Dv fills the tile (no hdim predication)
                 raise RuntimeError(f"fa4: unexpected FA4 tile for Dv={dv}: tile_hdimv={kernel.tile_hdimv}")
             cu = to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0)
+            cu_k = cu if cu_seqlens_k is None else to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0)
             with warnings.catch_warnings():
                 # FA4's __call__ is traced inside ours; the DSL warns that the AuxData holding our three
                 # tensors is not a JitArgument of that inner call. The tensors are arguments of ours.
@@ -330,7 +353,7 @@ def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens,
                     to_cute_tensor(output_scale, assumed_align=4, leading_dim=0),
                     softmax_scale,
                     cu,
-                    cu,
+                    cu_k,
                     cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                     options=interface._compile_options(),
                 )
@@ -346,32 +369,52 @@ def fa4_attention_varlen(
     *,
     causal: bool,
     softmax_scale: float,
-) -> Tensor:
-    """FA4's varlen forward: ``[T, H, Dv]`` in q's dtype.
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_k: int | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """FA4's varlen forward: ``[T, H, Dv]`` in q's dtype (and the log-sum-exp).
 
-    ``q [T, H, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` (bf16/fp16, ``(D, Dv)`` in
-    :data:`SUPPORTED_HEAD_DIMS`), ``cu_seqlens`` int32 ``[B+1]`` for queries and keys.
+    ``q [T, H, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]`` (bf16/fp16, ``(D, Dv)`` in
+    :data:`SUPPORTED_HEAD_DIMS`); ``cu_seqlens`` int32 ``[B+1]`` delimits the queries (and
+    output rows: sequence ``b`` at rows ``[c[b], c[b+1])``, which may start past row 0),
+    ``cu_seqlens_k`` (default ``cu_seqlens``; then ``Tk == T``) the keys/values; their values
+    are not checked. ``max_seqlen`` / ``max_seqlen_k`` bound the query / key lengths
+    (``max_seqlen_k`` defaults to ``max_seqlen`` without ``cu_seqlens_k``, to FA4's ``Tk``
+    with it). Causal masking is bottom-right aligned when ``Lk != Lq``: query ``i`` sees keys
+    ``j <= i + (Lk - Lq)`` (FA4 4.0.0b36 ``mask.py`` ``apply_mask``: column limit
+    ``row + 1 + seqlen_k - seqlen_q``; ``block_info.get_n_block_min_max`` likewise).
     Runs with ``pack_gqa=False, num_splits=1``: the main loop of the fused kernel, so that
     ``nvfp4.quantize(fa4_attention_varlen(...))`` and :func:`fa4_attention_nvfp4_varlen`
     produce the same bytes.
+
+    Returns:
+        ``out``; with ``return_lse``, ``(out, lse)`` where ``lse`` float32 ``[T, H]`` is
+        ``ln sum_j exp(softmax_scale * q.k_j)`` over the visible keys: a transposed view of
+        FA4's ``[H, T]`` varlen LSE (strides ``(1, T)``, not contiguous; no copy). Rows
+        outside ``[cu_seqlens[0], cu_seqlens[B])`` of both are not written.
     """
     fn = "fa4_attention_varlen"
-    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
+    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
     interface = _fa4_interface()
-    out = interface.flash_attn_varlen_func(
+    result = interface.flash_attn_varlen_func(
         q,
         k,
         v,
         cu_seqlens_q=cu_seqlens,
-        cu_seqlens_k=cu_seqlens,
+        cu_seqlens_k=cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
         max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen,
+        max_seqlen_k=max_seqlen if cu_seqlens_k is None else max_seqlen_k,
         softmax_scale=float(softmax_scale),
         causal=causal,
         num_splits=1,
         pack_gqa=False,
+        return_lse=return_lse,
     )
-    return out[0] if isinstance(out, tuple) else out
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    return (out, lse.t()) if return_lse else out
 
 
 def fa4_attention_nvfp4_varlen(
@@ -386,24 +429,29 @@ def fa4_attention_nvfp4_varlen(
     output: Tensor,
     output_scale: Tensor,
     output_block_scale: Tensor,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> None:
     """Attention written as NVFP4 by FA4's SM90 kernel with our epilogue, into the caller's buffers.
 
-    Args as :func:`fa4_attention_varlen`, plus:
+    Args as :func:`fa4_attention_varlen` (``cu_seqlens_k`` / ``max_seqlen_k`` included), plus:
         output: one-byte ``[T, H*Dv/2]`` (contiguous, 16-byte aligned; ``H*Dv/2 % 8 == 0``):
             packed e2m1 codes, token ``t`` in row ``t``.
         output_scale: float32 ``[1]`` on the device: the global scale (never read on the host).
         output_block_scale: contiguous ``round_up(T,128) * round_up(H*Dv/16,4)`` bytes (any
             one-byte or int32 view): the e4m3 block scales, 128x4 swizzled.
 
-    Every byte of ``output`` and of the scale rows ``< T`` is written by the kernel. The scale
-    buffer's padding rows (``T .. round_up(T,128)-1``) lie inside its last 128-row tile, which
-    is one contiguous range of the swizzled buffer: that tile is zeroed before the launch
-    (``128 * round_up(H*Dv/16,4)`` bytes at most; nothing when ``T % 128 == 0``) and the kernel
-    then overwrites its real rows. Rows of earlier tiles are never touched twice.
+    The kernel writes the bytes of ``output`` and the scale entries of the rows of
+    ``[cu_seqlens[0], cu_seqlens[B])`` (every row when they span ``0 .. T``; the epilogue
+    stores at ``seqlen.offset_q + row``, the query's global row). The scale buffer's padding
+    entries (rows ``T .. round_up(T,128)-1`` inside the last 128-row band, and columns
+    ``H*Dv/16 .. round_up(H*Dv/16,4)-1`` of every row) are zeroed before the launch with a
+    few strided fills; no other byte is touched, so rows outside the sequences keep theirs.
+    ``max_seqlen_k`` is accepted for :func:`fa4_attention_varlen`'s signature: the fused
+    kernel reads key lengths from ``cu_seqlens_k`` alone.
     """
     fn = "fa4_attention_nvfp4_varlen"
-    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal)
+    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
     check_nvfp4_buffers(fn, q, v, output, output_scale, output_block_scale)
     t = q.shape[0]
     scale_bytes = output_block_scale.view(torch.uint8).view(-1) if output_block_scale.element_size() == 1 \
@@ -411,12 +459,13 @@ def fa4_attention_nvfp4_varlen(
     packed = output.view(torch.uint8).view(t, -1)
     if t == 0:
         return
-    compiled = compile_nvfp4_kernel(q, k, v, packed, output_scale, scale_bytes, cu_seqlens, float(softmax_scale), causal)
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    compiled = compile_nvfp4_kernel(
+        q, k, v, packed, output_scale, scale_bytes, cu_seqlens, float(softmax_scale), causal, cu_k
+    )
     from flash_attn.cute.testing import is_fake_mode
 
     if is_fake_mode():  # compile-only check
         return
-    if t % 128:
-        tile_bytes = 128 * (scale_bytes.numel() // (-(-t // 128) * 128))
-        scale_bytes[-tile_bytes:].zero_()
-    compiled(q, k, v, _unused_o(q, v.shape[2]), packed, scale_bytes, output_scale, float(softmax_scale), cu_seqlens, cu_seqlens)
+    zero_nvfp4_scale_padding(scale_bytes, t, q.shape[1] * v.shape[2])
+    compiled(q, k, v, _unused_o(q, v.shape[2]), packed, scale_bytes, output_scale, float(softmax_scale), cu_seqlens, cu_k)

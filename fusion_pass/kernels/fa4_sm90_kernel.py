@@ -49,7 +49,7 @@ Tensors (T = total tokens of the varlen batch, H query heads, Dv = v head dim):
 * ``mSF``: uint8, flat, the ``[round_up(T,128), round_up(H*Dv/16,4)]`` e4m3 block scales in the 128x4
   swizzled layout (``NVFP4.md``). Only entries of rows ``< T`` are written.
 * ``mGS``: float32 ``[1]``, the global scale, read on the device.
-* ``mCuSeqlensQ`` = ``mCuSeqlensK``: int32 ``[B+1]``.
+* ``mCuSeqlensQ``, ``mCuSeqlensK``: int32 ``[B+1]`` (the same tensor when keys are the queries' own tokens; keys of context + new tokens otherwise, causal aligned to the end).
 
 Requirements checked by the entry point before compiling: ``pack_gqa`` is False
 (with it a tile's rows are (token, head) pairs), ``Dv`` equals the kernel's
