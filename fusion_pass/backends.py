@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from fusion_pass import nvfp4
+from fusion_pass.dense import merge_attention
 
 __all__ = [
     "BACKEND_ENV",
@@ -90,7 +91,14 @@ __all__ = [
     "fa4_call_kwargs",
     "triton_availability",
     "prefill_qkv",
+    "prefill_qkv_and_context",
     "varlen_meta",
+    "run_prefills",
+    "CONTEXT_WORKSPACE_ENV",
+    "DEFAULT_CONTEXT_WORKSPACE_TOKENS",
+    "context_workspace_tokens",
+    "set_context_workspace_tokens",
+    "use_context_workspace_tokens",
 ]
 
 BACKEND_ENV = "FUSION_PASS_BACKEND"
@@ -107,6 +115,15 @@ FA4_NVFP4_ARGS = ("out", "output_scale", "output_scales")
 
 TRITON_ENTRY_POINT = "flash_attention_nvfp4_varlen"
 """Function of ``fusion_pass.kernels`` the ``triton`` backend calls."""
+
+CONTEXT_WORKSPACE_ENV = "FUSION_PASS_CONTEXT_WORKSPACE_TOKENS"
+"""Environment variable setting the context workspace bound (:func:`context_workspace_tokens`)."""
+
+DEFAULT_CONTEXT_WORKSPACE_TOKENS = 65536
+"""Default context workspace bound: vLLM's cap on its MLA chunked-prefill workspace (64k tokens)."""
+
+_workspace_override: int | None = None
+_workspace_scoped: contextvars.ContextVar[int | None] = contextvars.ContextVar("fusion_pass_workspace", default=None)
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -138,11 +155,30 @@ class Backend(Protocol):
     def run_varlen(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float,
         output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
+        *, cu_seqlens_k: Tensor | None = None, max_seqlen_k: int | None = None,
     ) -> None:
-        """The fused kernel on dense prefill inputs: ``q [T, H, Dqk]``, ``k [T, Hk, Dqk]``, ``v [T, Hk, Dv]``,
-        causal within each sequence of ``cu_seqlens`` (int32 ``[B+1]``); ``output`` uint8 ``[T, H*Dv/2]``,
-        ``output_block_scale`` the swizzled scales of ``T`` rows (every byte written, padding zero).
-        Used where the caller has the inputs already (vLLM's run-time op)."""
+        """The fused kernel on dense prefill inputs: ``q [T, H, Dqk]``, ``k [Tk, Hk, Dqk]``, ``v [Tk, Hk, Dv]``,
+        causal within each sequence of ``cu_seqlens`` (int32 ``[B+1]``, the rows of ``q`` and of the
+        output; may start past row 0). Keys: the rows of ``cu_seqlens_k`` when given (context followed by
+        the new tokens, ``Lk >= Lq``, the causal mask aligned to the end), else those of ``cu_seqlens``.
+        ``output`` uint8 ``[T, H*Dv/2]``, ``output_block_scale`` the swizzled scales of ``T`` rows: the
+        sequences' rows are written, the scale padding zeroed."""
+        ...
+
+    def attention_lse(
+        self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, cu_seqlens_k: Tensor,
+        max_seqlen_k: int, softmax_scale: float, causal: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """Partial attention for the chunked-context path: float32 ``out [T, H, Dv]`` and its log-sum-exp
+        ``lse [T, H]`` (``-inf`` where a row sees no key), sequences as in :meth:`run_varlen`."""
+        ...
+
+    def merge_nvfp4(
+        self, out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor, output_scale: Tensor,
+        packed: Tensor, scales: Tensor, row_start: int,
+    ) -> None:
+        """Merge two partial attentions by log-sum-exp and write the result as NVFP4 into rows
+        ``[row_start, row_start + M)`` of ``packed`` uint8 ``[T, H*Dv/2]`` / swizzled ``scales``."""
         ...
 
 
@@ -194,22 +230,37 @@ def prefill_qkv(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Te
             f"fused backends run only on pure-prefill batches (no decode tokens, no cached context); "
             f"got a {spec.kind!r} batch"
         )
+    return prefill_qkv_and_context(impl, inputs, spec)[:3]
+
+
+def prefill_qkv_and_context(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`prefill_qkv` for a batch of prefills that may have cached context (no decode tokens), plus
+    their context: ``k_context [C, Hk, Dqk]``, ``v_context [C, Hk, Dv]`` (query dtype), the cached rows of
+    every request in the batch's order, ``C = sum(context_len)`` (MLA: the cached latents expanded
+    through ``kv_b_proj`` as the new tokens are). Appends the new tokens to the cache."""
+    if spec.num_decode_tokens != 0:
+        raise ValueError(f"prefill_qkv_and_context takes prefills only; got a {spec.kind!r} batch")
     locs = spec.query_start_loc()
     if _is_mla(impl):
         q, kv_c_normed, k_pe = inputs
         impl.check_inputs(q, kv_c_normed, k_pe, spec)  # side-effect free: before the cache changes
         k_pe = k_pe.reshape(spec.num_tokens, impl.qk_rope_head_dim)
         latent = torch.cat([kv_c_normed, k_pe], dim=-1)  # [T, L + rope], input dtype
-        for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
-            impl._cache.extend(req, (latent[start:end],))
+        context = [impl._cache.extend(req, (latent[start:end],))[0][: req.context_len]
+                   for req, start, end in zip(spec.requests, locs[:-1], locs[1:])]
         w_uk, w_uv = impl._weights()
-        k, v = impl._expand(latent, w_uk, w_uv)  # float32
-        return q, k.to(q.dtype), v.to(q.dtype)
+        k, v = impl._expand(torch.cat([latent] + context), w_uk, w_uv)  # float32, one expansion
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        t = spec.num_tokens
+        return q, k[:t], v[:t], k[t:], v[t:]
     q, k, v = inputs
     impl.check_inputs(q, k, v, spec)  # side-effect free: before the cache changes
+    k_ctx, v_ctx = [k[:0]], [v[:0]]
     for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
-        impl._cache.extend(req, (k[start:end], v[start:end]))
-    return q, k, v
+        k_all, v_all = impl._cache.extend(req, (k[start:end], v[start:end]))
+        k_ctx.append(k_all[: req.context_len])
+        v_ctx.append(v_all[: req.context_len])
+    return q, k, v, torch.cat(k_ctx).to(q.dtype), torch.cat(v_ctx).to(q.dtype)
 
 
 def varlen_meta(spec: Any, device: torch.device, first_row: int = 0) -> tuple[Tensor, int]:
@@ -270,10 +321,141 @@ def _rows(spec: Any, requests: list, device) -> Tensor:
     return torch.cat([torch.arange(a, a + n, device=device) for a, n in _runs(spec, requests)])
 
 
+def context_workspace_tokens() -> int:
+    """The context workspace bound, in tokens: :func:`use_context_workspace_tokens`'s (this thread / task),
+    else :func:`set_context_workspace_tokens`'s, else ``$FUSION_PASS_CONTEXT_WORKSPACE_TOKENS``, else
+    :data:`DEFAULT_CONTEXT_WORKSPACE_TOKENS`.
+
+    A call whose fused prefills have at most this many cached context tokens in all runs one attention
+    over a workspace of context + new keys; beyond it the context is attended in chunks of at most this
+    many tokens and the parts are merged by log-sum-exp (:func:`run_prefills`)."""
+    scoped = _workspace_scoped.get()
+    if scoped is not None:
+        return scoped
+    if _workspace_override is not None:
+        return _workspace_override
+    raw = os.environ.get(CONTEXT_WORKSPACE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CONTEXT_WORKSPACE_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{CONTEXT_WORKSPACE_ENV}={raw!r} must be a positive number of tokens")
+    return value
+
+
+def _check_tokens(source: str, tokens) -> None:
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"{source}: tokens must be a positive int or None, got {tokens!r}")
+
+
+def set_context_workspace_tokens(tokens: int | None) -> int | None:
+    """Set the process-wide context workspace bound (``None``: back to the environment / default);
+    returns the previous setting."""
+    global _workspace_override
+    _check_tokens("set_context_workspace_tokens", tokens)
+    previous, _workspace_override = _workspace_override, tokens
+    return previous
+
+
+@contextmanager
+def use_context_workspace_tokens(tokens: int | None) -> Iterator[int | None]:
+    """The context workspace bound inside the ``with`` block, for the calling thread / task only (like
+    :func:`use_backend`); ``None`` leaves it to :func:`set_context_workspace_tokens` and the environment."""
+    _check_tokens("use_context_workspace_tokens", tokens)
+    token = _workspace_scoped.set(tokens)
+    try:
+        yield tokens
+    finally:
+        _workspace_scoped.reset(token)
+
+
+def _cu(lengths: list[int], device, first: int = 0) -> Tensor:
+    out, total = [first], first
+    for n in lengths:
+        total += n
+        out.append(total)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _interleave(context: Tensor, new: Tensor, context_lens: list[int], query_lens: list[int]) -> Tensor:
+    """Per request its context rows then its new rows: ``[sum(context_lens) + sum(query_lens), ...]``."""
+    pieces, c, n = [], 0, 0
+    for lc, lq in zip(context_lens, query_lens):
+        pieces += [context[c:c + lc], new[n:n + lq]]
+        c, n = c + lc, n + lq
+    return torch.cat(pieces)
+
+
+def _context_chunks(context: Tensor, context_lens: list[int], width: int):
+    """``(rows, lengths)`` per chunk: chunk ``i`` holds positions ``[i*width, (i+1)*width)`` of each
+    request's context (empty for requests whose context is shorter)."""
+    starts = [0]
+    for n in context_lens:
+        starts.append(starts[-1] + n)
+    for lo in range(0, max(context_lens), width):
+        lengths = [max(0, min(n, lo + width) - lo) for n in context_lens]
+        index = torch.cat([torch.arange(s + lo, s + lo + n, device=context.device)
+                           for s, n in zip(starts, lengths)])
+        yield index, lengths
+
+
+def run_prefills(backend: "Backend", q: Tensor, k: Tensor, v: Tensor, *, first_row: int, query_lens: list[int],
+                 context_lens: list[int], k_context: Tensor | None, v_context: Tensor | None, softmax_scale: float,
+                 output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
+                 workspace_tokens: int | None = None) -> None:
+    """Fused NVFP4 attention of a run of prefills, some with cached context, written at their rows.
+
+    Args:
+        q: ``[T, H, Dqk]``, the call's rows; the prefills are rows ``[first_row, first_row + sum(query_lens))``
+            in order; ``k [T, Hk, Dqk]`` / ``v [T, Hk, Dv]`` their new keys/values at the same rows (other rows
+            are not read).
+        query_lens, context_lens: per prefill (host ints), its new tokens and cached context tokens.
+        k_context, v_context: ``[sum(context_lens), Hk, D]``, the prefills' cached rows in order (None when
+            none has context).
+        output, output_scale, output_block_scale: the call's NVFP4 buffers (``T`` rows).
+        workspace_tokens: the bound (default :func:`context_workspace_tokens`).
+
+    Rows ``< first_row`` are not written; the scale padding (rows ``>= T``, padded columns) is zeroed. Rows
+    written by anyone else go in after this call all the same (a backend's entry point may zero more).
+    """
+    total_context = sum(context_lens)
+    bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
+    cu_q = _cu(query_lens, q.device, first_row)
+    max_q = max(query_lens)
+    if total_context == 0:
+        backend.run_varlen(q, k, v, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale)
+        return
+    rows = slice(first_row, first_row + sum(query_lens))
+    if total_context <= bound:
+        k_ws = _interleave(k_context, k[rows], context_lens, query_lens)
+        v_ws = _interleave(v_context, v[rows], context_lens, query_lens)
+        key_lens = [a + b for a, b in zip(context_lens, query_lens)]
+        backend.run_varlen(q, k_ws, v_ws, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale,
+                           cu_seqlens_k=_cu(key_lens, q.device), max_seqlen_k=max(key_lens))
+        return
+    q_p, k_p, v_p = q[rows], k[rows], v[rows]
+    cu_p = _cu(query_lens, q.device)
+    width = max(1, bound // sum(1 for n in context_lens if n))
+    acc = None
+    for index, lengths in _context_chunks(k_context, context_lens, width):
+        part = backend.attention_lse(q_p, k_context[index], v_context[index], cu_p, max_q,
+                                     _cu(lengths, q.device), max(lengths), softmax_scale, False)
+        acc = part if acc is None else merge_attention(acc[0], acc[1], part[0], part[1])
+    new = backend.attention_lse(q_p, k_p, v_p, cu_p, max_q, cu_p, max_q, softmax_scale, True)
+    t = q.shape[0]
+    packed, scales = _nvfp4_views(output, output_block_scale, t)
+    backend.merge_nvfp4(acc[0], acc[1], new[0], new[1], output_scale, packed, scales, first_row)
+    nvfp4.zero_scale_padding(scales, t, packed.shape[1] * 2)
+
+
 def run_on_prefill(backend: "Backend", impl: Any, inputs: tuple, spec: Any,
                    output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
-    """``backend.run_varlen`` on the rows of the requests it :func:`fuses`, at their global rows; every other
-    row computed as the unfused graph computes it and post-quantized into its rows.
+    """The fused backend on the rows of the requests it :func:`fuses`, at their global rows (:func:`run_prefills`:
+    prefills with cached context attend to it); every other row computed as the unfused graph computes it and
+    post-quantized into its rows.
 
     The fused kernel runs first, once, over every prefill request (``cu_seqlens`` from the first prefill row
     ``D``): its epilogue writes rows ``[D, T)`` and its entry point zeroes scale padding, which may reach into
@@ -289,15 +471,18 @@ def run_on_prefill(backend: "Backend", impl: Any, inputs: tuple, spec: Any,
     prefills = spec.requests[spec.num_decodes:]
     # the common case, every prefill fused: their rows are [D, T), a view; else gathered
     fused_rows = slice(d, t) if len(fused) == len(prefills) else _rows(spec, fused, q.device)
-    _, k, v = prefill_qkv(impl, tuple(x[fused_rows] for x in inputs), _sub_batch(spec, fused))
+    _, k, v, k_ctx, v_ctx = prefill_qkv_and_context(impl, tuple(x[fused_rows] for x in inputs),
+                                                    _sub_batch(spec, fused))
     if k.shape[0] != t:  # the kernel reads rows at their global index: place them in T-row buffers
         k_all, v_all = k.new_zeros((t, *k.shape[1:])), v.new_zeros((t, *v.shape[1:]))
         k_all[fused_rows], v_all[fused_rows] = k, v
         k, v = k_all, v_all
     if exact:
         out = impl.forward(*(x[_rows(spec, exact, q.device)] for x in inputs), _sub_batch(spec, exact)).to(q.dtype)
-    cu_seqlens, max_seqlen = varlen_meta(_sub_batch(spec, prefills), q.device, first_row=d)
-    backend.run_varlen(q, k, v, cu_seqlens, max_seqlen, impl.softmax_scale, output, output_scale, output_block_scale)
+    run_prefills(backend, q, k, v, first_row=d, query_lens=[r.query_len for r in prefills],
+                 context_lens=[r.context_len if fuses(backend, r) else 0 for r in prefills],
+                 k_context=k_ctx, v_context=v_ctx, softmax_scale=impl.softmax_scale,
+                 output=output, output_scale=output_scale, output_block_scale=output_block_scale)
     offset = 0
     for start, length in _runs(spec, exact):  # one row-range launch per run of adjacent rows (all decodes: one)
         post_quantize_rows(out[offset:offset + length], output_scale, output, output_block_scale, start, t)
@@ -306,11 +491,28 @@ def run_on_prefill(backend: "Backend", impl: Any, inputs: tuple, spec: Any,
 
 def run_fused_kernel(kernel: Callable[..., None], q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
                      max_seqlen: int, softmax_scale: float,
-                     output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
+                     output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
+                     cu_seqlens_k: Tensor | None = None, max_seqlen_k: int | None = None) -> None:
     """Call a fused NVFP4 entry point of :mod:`fusion_pass.kernels` (``kernel(q, k, v, *, cu_seqlens,
-    max_seqlen, softmax_scale, causal, output, output_scale, output_block_scale)``), causal."""
+    max_seqlen, softmax_scale, causal, output, output_scale, output_block_scale, cu_seqlens_k,
+    max_seqlen_k)``), causal."""
     kernel(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
-           output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale)
+           output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale,
+           cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+
+
+def _attention_lse(kernel_backend: str, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k,
+                   softmax_scale, causal) -> tuple[Tensor, Tensor]:
+    from fusion_pass.kernels import attention_with_lse
+
+    return attention_with_lse(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                              causal=causal, softmax_scale=softmax_scale, backend=kernel_backend)
+
+
+def _merge_nvfp4(kernel_backend: str, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
+    from fusion_pass.kernels.merge_nvfp4 import merge_attention_nvfp4
+
+    merge_attention_nvfp4(out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start, backend=kernel_backend)
 
 
 # ---------------------------------------------------------------------------
@@ -446,6 +648,8 @@ def fa4_call_kwargs(
     softmax_scale: float,
     num_heads: int,
     v_head_dim: int,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of the FA4 varlen forward call with NVFP4 output (pure).
 
@@ -454,8 +658,9 @@ def fa4_call_kwargs(
     * ``output_scale``: the global scale, as given (float32, one element);
     * ``output_scales``: ``output_block_scale`` viewed as ``float8_e4m3fn``
       ``[round_up(T, 128), round_up(H*Dv/16, 4)]`` (the swizzled layout);
-    * causal attention over the new tokens of each request: ``cu_seqlens`` for
-      both q and k, ``max_seqlen`` for both.
+    * causal attention: ``cu_seqlens``/``max_seqlen`` for q, and for k unless
+      ``cu_seqlens_k``/``max_seqlen_k`` are given (keys context + new tokens,
+      the mask aligned to the end).
 
     All views share storage with the op's buffers: the kernel writes them in place.
     """
@@ -472,9 +677,9 @@ def fa4_call_kwargs(
         "k": k,
         "v": v,
         "cu_seqlens_q": cu_seqlens,
-        "cu_seqlens_k": cu_seqlens,
+        "cu_seqlens_k": cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
         "max_seqlen_q": max_seqlen,
-        "max_seqlen_k": max_seqlen,
+        "max_seqlen_k": max_seqlen if max_seqlen_k is None else max_seqlen_k,
         "softmax_scale": softmax_scale,
         "causal": True,
         "out": out,
@@ -492,7 +697,7 @@ class FA4Backend:
     """
 
     name = "fa4"
-    handles_context = False  # prefills with cached context (seqlen_k > seqlen_q) are not wired yet
+    handles_context = True  # keys context + new tokens (cu_seqlens_k), see run_prefills
 
     def __init__(self, varlen_func: Callable[..., Any] | None = None) -> None:
         self._varlen_func = varlen_func
@@ -526,8 +731,16 @@ class FA4Backend:
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale) -> None:
         run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
 
+    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
+        """FA4's own forward with its log-sum-exp (output in the query dtype, returned as float32)."""
+        return _attention_lse("fa4", q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal)
+
+    def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
+        """The Triton NVFP4 merge kernel."""
+        _merge_nvfp4("triton", out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)
+
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
-                   output_block_scale) -> None:
+                   output_block_scale, *, cu_seqlens_k=None, max_seqlen_k=None) -> None:
         """SM90: :func:`fusion_pass.kernels.fa4_attention_nvfp4_varlen` (it zeroes the scale
         buffer's padding rows itself). SM100/SM110, untested here (no SM100 GPU and no FA4
         release with NVFP4 output exist in this project's environments): the scale buffer is
@@ -537,7 +750,7 @@ class FA4Backend:
             from fusion_pass.kernels import fa4_attention_nvfp4_varlen
 
             run_fused_kernel(fa4_attention_nvfp4_varlen, q, k, v, cu_seqlens, max_seqlen, softmax_scale,
-                             output, output_scale, output_block_scale)
+                             output, output_scale, output_block_scale, cu_seqlens_k, max_seqlen_k)
             return
         func = self._varlen_func
         if func is None:
@@ -559,6 +772,8 @@ class FA4Backend:
                 softmax_scale=softmax_scale,
                 num_heads=q.shape[1],
                 v_head_dim=v.shape[2],
+                cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_k=max_seqlen_k,
             )
         )
 
@@ -617,7 +832,7 @@ class TritonBackend:
     """
 
     name = "triton"
-    handles_context = False  # the kernel attends to each sequence's own tokens only
+    handles_context = True  # keys context + new tokens (cu_seqlens_k), see run_prefills
 
     def available(self) -> tuple[bool, str]:
         return _triton_status()
@@ -634,10 +849,19 @@ class TritonBackend:
         run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
 
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
-                   output_block_scale) -> None:
+                   output_block_scale, *, cu_seqlens_k=None, max_seqlen_k=None) -> None:
         kernels = importlib.import_module("fusion_pass.kernels")
         run_fused_kernel(getattr(kernels, TRITON_ENTRY_POINT), q, k, v, cu_seqlens, max_seqlen, softmax_scale,
-                         output, output_scale, output_block_scale)
+                         output, output_scale, output_block_scale, cu_seqlens_k, max_seqlen_k)
+
+    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
+        """The Triton kernel with a float32 output and its log-sum-exp."""
+        return _attention_lse("triton", q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k,
+                              softmax_scale, causal)
+
+    def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
+        """The Triton NVFP4 merge kernel."""
+        _merge_nvfp4("triton", out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)
 
 
 # ---------------------------------------------------------------------------
@@ -678,13 +902,27 @@ class ReferenceBackend:
         nvfp4.zero_scale_padding(_nvfp4_views(output, output_block_scale, t)[1], t, out32[0].numel())
 
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
-                   output_block_scale) -> None:
-        """float32 dense attention per sequence (:func:`fusion_pass.kernels.reference_attention`), quantized."""
+                   output_block_scale, *, cu_seqlens_k=None, max_seqlen_k=None) -> None:
+        """float32 dense attention per sequence (:func:`fusion_pass.kernels.reference_attention`), quantized
+        into the sequences' rows; scale padding zeroed."""
         from fusion_pass.kernels import reference_attention
 
-        out32 = reference_attention(q, k, v, cu_seqlens, True, softmax_scale)
-        packed, scales = nvfp4.quantize(out32.reshape(q.shape[0], -1), output_scale, swizzled=True)
-        _write_nvfp4(output, output_block_scale, packed, scales)
+        t = q.shape[0]
+        a, b = int(cu_seqlens[0]), int(cu_seqlens[-1])
+        if cu_seqlens_k is None:  # keys at the queries' rows
+            k, v = k[a:b], v[a:b]
+        out32 = reference_attention(q[a:b], k, v, cu_seqlens - a, True, softmax_scale, cu_seqlens_k=cu_seqlens_k)
+        post_quantize_rows(out32, output_scale, output, output_block_scale, a, t)
+        nvfp4.zero_scale_padding(_nvfp4_views(output, output_block_scale, t)[1], t, out32[0].numel())
+
+    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
+        """float32 dense attention per sequence and its log-sum-exp."""
+        return _attention_lse("reference", q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k,
+                              softmax_scale, causal)
+
+    def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
+        """float32 merge, then the reference quantizer into the rows."""
+        _merge_nvfp4("reference", out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)
 
 
 # ---------------------------------------------------------------------------

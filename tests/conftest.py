@@ -17,12 +17,16 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def clean_backend_state(monkeypatch):
-    """No backend pinned (environment or set_backend), zeroed guard counters; restored after."""
+    """No backend pinned (environment or set_backend), the default context workspace bound, zeroed guard
+    counters; restored after."""
     from fusion_pass import backends, guard
 
     monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backends.CONTEXT_WORKSPACE_ENV, raising=False)
     previous = backends.set_backend(None)
+    previous_workspace = backends.set_context_workspace_tokens(None)
     guard.reset_counters()
     yield
     backends.set_backend(previous)
+    backends.set_context_workspace_tokens(previous_workspace)
     guard.reset_counters()

@@ -1,0 +1,236 @@
+"""Prefills with cached context on the fused path (chunked prefill, prefix-cache hits), through the real ops.
+
+Generated serving schedules (decodes, new prompts, chunks of prompts with cached context) run through the
+NVFP4 attention ops with a backend whose fused call is :func:`fusion_pass.backends.run_on_prefill` (the
+``fa4``/``triton`` backends' ``run``), on both sides of the context workspace bound: one attention over
+context + new keys (``seqlen_k > seqlen_q``), or context chunks merged by log-sum-exp into NVFP4. Kernels:
+the ``reference`` kernels (float32 PyTorch) and the Triton kernels (compiled on a CUDA device, Triton's interpreter on the CPU).
+
+Checked per step against attention computed in float64 from the full sequences (every key each request has
+seen, causal aligned to the end): prefill rows within the quantization bound of that attention plus the
+kernels' own rounding; decode rows byte-equal to the unfused graph; every byte written; padding zero.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import fusion_pass  # noqa: F401  (registers the ops)
+from fusion_pass import backends, guard, kernels, nvfp4, runtime
+from fusion_pass.demo import requantization_bound
+from fusion_pass.ops import scaled_fp4_quant
+
+OPS = torch.ops.fusion_pass
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MLA = dict(num_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, kv_lora_rank=32)
+GQA = dict(num_heads=4, num_kv_heads=2, head_dim=32, v_head_dim=16)
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(clean_backend_state):
+    yield
+
+
+class KernelBackend:
+    """A fused backend over one kernel family of :mod:`fusion_pass.kernels` (``reference`` or ``triton``),
+    with the ``fa4``/``triton`` backends' ``run``: :func:`fusion_pass.backends.run_on_prefill`."""
+
+    handles_context = True
+
+    def __init__(self, kernel: str) -> None:
+        self.name, self.kernel = f"kernels.{kernel}", kernel
+
+    def run(self, impl, inputs, spec, output, output_scale, output_block_scale):
+        backends.run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
+
+    def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale, output_block_scale,
+                   *, cu_seqlens_k=None, max_seqlen_k=None):
+        if self.kernel == "triton":
+            backends.run_fused_kernel(kernels.flash_attention_nvfp4_varlen, q, k, v, cu_seqlens, max_seqlen,
+                                      softmax_scale, output, output_scale, output_block_scale,
+                                      cu_seqlens_k, max_seqlen_k)
+        else:
+            backends.ReferenceBackend().run_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale, output,
+                                                   output_scale, output_block_scale, cu_seqlens_k=cu_seqlens_k,
+                                                   max_seqlen_k=max_seqlen_k)
+
+    def attention_lse(self, *args):
+        return backends._attention_lse(self.kernel, *args)
+
+    def merge_nvfp4(self, *args):
+        backends._merge_nvfp4(self.kernel, *args)
+
+
+def _layer(kind, gen):
+    if kind == "mla":
+        width = MLA["num_heads"] * (MLA["qk_nope_head_dim"] + MLA["v_head_dim"])
+        w = (torch.randn(width, MLA["kv_lora_rank"], generator=gen) * MLA["kv_lora_rank"] ** -0.5).to(DEVICE, torch.bfloat16)
+        impl = runtime.MLAAttentionImpl(**MLA, kv_b_proj_weight=w, softmax_scale=0.17)
+        return impl, OPS.mla_attention_with_output
+
+    impl = runtime.AttentionImpl(**GQA, softmax_scale=0.17)
+    return impl, OPS.attention_with_output
+
+
+def _inputs(kind, t, gen):
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, torch.bfloat16)
+
+    if kind == "mla":
+        return rand(t, MLA["num_heads"], MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"]), \
+            rand(t, MLA["kv_lora_rank"]), rand(t, 1, MLA["qk_rope_head_dim"])
+    return rand(t, GQA["num_heads"], GQA["head_dim"]), rand(t, 2, GQA["head_dim"]), rand(t, 2, GQA["v_head_dim"])
+
+
+def _keys64(kind, impl, inputs):
+    """float64 keys ``[t, Hk, Dqk]`` and values ``[t, Hk, Dv]`` of the new tokens (MLA: up-projected)."""
+    if kind == "mla":
+        q, kv_c, k_pe = inputs
+        w = impl.kv_b_proj_weight.double().reshape(MLA["num_heads"], -1, MLA["kv_lora_rank"])
+        w_uk, w_uv = w[:, : MLA["qk_nope_head_dim"]], w[:, MLA["qk_nope_head_dim"]:]
+        k_nope = torch.einsum("sl,hnl->shn", kv_c.double(), w_uk)
+        v = torch.einsum("sl,hvl->shv", kv_c.double(), w_uv)
+        k = torch.cat([k_nope, k_pe.double().reshape(len(q), 1, -1).expand(-1, MLA["num_heads"], -1)], -1)
+        return k, v
+    return inputs[1].double(), inputs[2].double()
+
+
+def _dense64(q, keys, values, scale):
+    """float64 attention ``[Lq, H, Dv]`` of the last ``Lq`` positions over all ``Lk`` keys, causal at the end."""
+    lq, h, _ = q.shape
+    lk, hk, _ = keys.shape
+    keys, values = keys.repeat_interleave(h // hk, 1), values.repeat_interleave(h // hk, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
+    visible = torch.arange(lk, device=q.device)[None, :] <= torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+def _schedule(rng, steps):
+    """Batches like a continuous-batching scheduler's: decodes first, then chunks of prompts with cached context
+    and new prompts; ``(query_lens, context_lens, ids)`` per step."""
+    cached: dict[str, int] = {}
+    plans = []
+    for step in range(steps):
+        running = list(cached)
+        rng.shuffle(running)
+        chunks = running[: rng.randint(1 if step % 2 else 0, 2)]  # every other step has a chunk with context
+        decodes = running[len(chunks): len(chunks) + rng.randint(0, 3)]
+        fresh = [f"s{step}n{i}" for i in range(rng.randint(0 if chunks or not decodes else 1, 2))]
+        if not chunks and not fresh:
+            fresh = [f"s{step}n0"]
+        lens = [1] * len(decodes) + [rng.randint(2, 24) for _ in chunks] + [rng.randint(2, 40) for _ in fresh]
+        ids = decodes + chunks + fresh
+        ctx = [cached.get(i, 0) for i in ids]
+        for i, n in zip(ids, lens):
+            cached[i] = cached.get(i, 0) + n
+        plans.append((lens, ctx, ids))
+    return plans
+
+
+def _run_schedule(monkeypatch, kind, kernel, workspace_tokens, steps):
+    seed = random.SystemRandom().randrange(2**31)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    impl, op = _layer(kind, gen)
+    name = f"test_chunked_prefill.{kind}.{kernel}"
+    runtime.register_layer(name, impl)
+    fake = KernelBackend(kernel)
+    monkeypatch.setattr(backends, "select_backend", lambda *a, **k: (fake, f"{fake.name} stand-in"))
+    monkeypatch.setattr(backends, "get_backend", lambda name: fake)
+    guard.reset_counters()
+    width = impl.num_heads * impl.v_head_dim
+    history: dict[str, tuple] = {}
+    with_context = 0
+    try:
+        for lens, ctx, ids in _schedule(rng, steps):
+            spec = runtime.BatchSpec.from_lens(lens, ctx, ids)
+            t, d = spec.num_tokens, spec.num_decode_tokens
+            inputs = _inputs(kind, t, gen)
+            start = runtime.snapshot_kv_caches()
+            with runtime.batch(spec):
+                half = torch.empty(t, width, dtype=torch.bfloat16, device=DEVICE)
+                op(*inputs, half, name)
+            gs = torch.tensor([448 * 6 / max(float(half.float().abs().max()), 1e-3)], device=DEVICE)
+            unfused = scaled_fp4_quant(half, gs)
+            got = []
+            for poison in (0xAB, 0x00):
+                runtime.restore_kv_caches(start)
+                rows, cols = nvfp4.scale_shape(t, width)
+                packed = torch.full((t, width // 2), poison, dtype=torch.uint8, device=DEVICE)
+                scales = torch.full((rows, cols), poison, dtype=torch.uint8, device=DEVICE)
+                with runtime.batch(spec), backends.use_context_workspace_tokens(workspace_tokens):
+                    op(*inputs, packed, name, gs, scales)
+                got.append((packed, scales))
+            where = f"seed {seed}, kind {kind}, kernel {kernel}, workspace {workspace_tokens}, step {spec.requests}"
+            assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), f"unwritten bytes: {where}"
+            packed, scales = got[0]
+            assert torch.equal(packed[:d], unfused[0][:d]), f"decode rows: {where}"
+            n_blocks = width // nvfp4.BLOCK_SIZE
+            offsets = nvfp4.swizzled_offset(torch.arange(d).unsqueeze(1), torch.arange(n_blocks).unsqueeze(0),
+                                            n_blocks).reshape(-1).to(DEVICE)
+            assert torch.equal(scales.reshape(-1)[offsets], unfused[1].view(torch.uint8).reshape(-1)[offsets]), where
+            # float64 attention of each prefill over its whole sequence
+            keys, values = _keys64(kind, impl, inputs)
+            ref = torch.zeros(t, impl.num_heads, impl.v_head_dim, dtype=torch.float64, device=DEVICE)
+            locs = spec.query_start_loc()
+            vmax = 0.0
+            for r, a, b in zip(spec.requests, locs[:-1], locs[1:]):
+                old_k, old_v = history.get(r.request_id, (keys[:0], values[:0]))
+                all_k, all_v = torch.cat([old_k, keys[a:b]]), torch.cat([old_v, values[a:b]])
+                history[r.request_id] = (all_k, all_v)
+                vmax = max(vmax, float(all_v.abs().max()))
+                ref[a:b] = _dense64(inputs[0][a:b], all_k, all_v, impl.softmax_scale)
+                with_context += int(r.is_chunked_prefill)
+            ref_packed, ref_scales = nvfp4.quantize(ref.float().reshape(t, width), gs)
+            want = nvfp4.dequantize(ref_packed, ref_scales, gs, m=t)[d:]
+            have = nvfp4.dequantize(packed, scales.view(torch.float8_e4m3fn), gs, m=t)[d:]
+            bound = requantization_bound(want, gs) + 2.0**-6 * vmax
+            assert bool(((have - want).abs() <= bound).all()), f"prefill rows off: {where}"
+            padding = torch.ones(rows * cols, dtype=torch.bool, device=DEVICE)
+            padding[nvfp4.swizzled_offset(torch.arange(t).unsqueeze(1), torch.arange(n_blocks).unsqueeze(0),
+                                          n_blocks).reshape(-1).to(DEVICE)] = False
+            assert bool((scales.reshape(-1)[padding] == 0).all()), f"padding: {where}"
+        counts = guard.counters()["tokens"]
+        assert counts["prefill_fused"] == counts["prefill"], counts
+    finally:
+        runtime.unregister_layer(name)
+    return with_context
+
+
+@pytest.mark.parametrize("kind", ["mla", "gqa"])
+@pytest.mark.parametrize("workspace_tokens", [1 << 16, 7, 1])
+def test_reference_kernels_fuse_every_prefill_row_of_generated_schedules(monkeypatch, kind, workspace_tokens):
+    """The workspace bound on both sides: 65536 (one attention over context + new keys), 7 and 1 (context
+    attended in chunks, merged by log-sum-exp into NVFP4; 1: one key per chunk, many empty chunks)."""
+    assert _run_schedule(monkeypatch, kind, "reference", workspace_tokens, steps=8) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and not kernels.interpreter_enabled(),
+                    reason="no CUDA device and TRITON_INTERPRET is not set (conftest.py sets it on CPU-only machines)")
+@pytest.mark.parametrize("kind", ["mla", "gqa"])
+@pytest.mark.parametrize("workspace_tokens", [1 << 16, 9])
+def test_triton_kernels_fuse_every_prefill_row_of_generated_schedules(monkeypatch, kind, workspace_tokens):
+    """The Triton kernels (the interpreter on the CPU): ``seqlen_k > seqlen_q`` in the fused kernel, and the
+    LSE outputs plus the NVFP4 merge kernel beyond the bound."""
+    assert _run_schedule(monkeypatch, kind, "triton", workspace_tokens, steps=5) > 0
+
+
+def test_context_workspace_bound_is_configurable_and_checked(monkeypatch):
+    monkeypatch.delenv(backends.CONTEXT_WORKSPACE_ENV, raising=False)
+    assert backends.context_workspace_tokens() == backends.DEFAULT_CONTEXT_WORKSPACE_TOKENS
+    monkeypatch.setenv(backends.CONTEXT_WORKSPACE_ENV, "4096")
+    assert backends.context_workspace_tokens() == 4096
+    with backends.use_context_workspace_tokens(12):
+        assert backends.context_workspace_tokens() == 12
+    assert backends.context_workspace_tokens() == 4096
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv(backends.CONTEXT_WORKSPACE_ENV, bad)
+        with pytest.raises(ValueError, match=backends.CONTEXT_WORKSPACE_ENV):
+            backends.context_workspace_tokens()
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="tokens"):
+            with backends.use_context_workspace_tokens(bad):
+                pass
