@@ -6,23 +6,43 @@ Their schemas mirror vLLM's ``unified_attention_with_output`` / ``unified_mla_at
 pass only retargets the call. ``output`` is the quant's packed uint8 ``[T, H*Dv/2]`` buffer,
 ``output_scale`` the global scale, ``output_block_scale`` the quant's int32 swizzled scale buffer.
 
-Per call, the guard reads the layer, its attention metadata and settings from vLLM's forward context
-(``get_attention_context``) and takes the exact fallback, counted with its reason, when:
+Per call, the guard (:func:`decide`) reads the layer, its attention metadata, its KV cache and settings
+from vLLM's forward context (``get_attention_context``) and decides row by row, as
+:func:`fusion_pass.guard.decide` does. The exact fallback (every row), counted with its reason, is taken when:
 
 * there is no metadata (vLLM's profile / dummy runs): ``no_attention_metadata``;
-* the batch has decode tokens: ``decode_tokens``; a prefill has cached context (chunked prefill, a
-  prefix-cache hit): ``chunked_prefill``; DCP world size > 1: ``dcp_world_size>1``;
+* DCP world size > 1: ``dcp_world_size>1``;
+* the batch has no prefill row (decode only): ``decode_tokens``;
+* standard (non-MLA) layers only: the batch has decode tokens, ``decode_tokens``; a prefill has cached
+  context (chunked prefill, a prefix-cache hit), ``chunked_prefill`` (vLLM's standard backends compute
+  decode and prefill rows in one kernel call with backend-specific metadata: computing some rows apart
+  would need per-backend sub-metadata);
 * the layer uses something the fused kernels do not compute (sliding window, ALiBi, logit soft-cap,
-  attention sinks, a quantized KV cache, KV sharing, non-causal or encoder attention):
-  ``layer_not_supported``;
-* no fused backend supports the layer on this device: ``no_backend``.
+  attention sinks, a quantized KV cache, KV sharing, non-causal or encoder attention; MLA: sparse MLA,
+  a HiSparse cache, prefill context parallelism): ``layer_not_supported``;
+* no fused backend supports the layer on this device: ``no_backend``;
+* MLA with decode rows beside prefills, when the installed vLLM's ``MLAAttention.forward_impl`` does not
+  have the structure the decode rows rely on (:data:`FORWARD_IMPL_STRUCTURE`): ``decode_tokens``;
+* MLA with cached context, when the backend does not run prefills with context or the KV cache is not
+  the unquantized latent cache ``[num_blocks, block_size, kv_lora_rank + rope]``: ``chunked_prefill``.
 
-Otherwise the fused path runs: the backend :func:`fusion_pass.backends.select_backend` picks computes
-causal varlen attention of the batch's ``num_actual_tokens`` rows from the query, key and value the op
-receives (MLA: keys and values expanded from ``kv_c_normed`` through the layer's ``kv_b_proj``, with
-``k_pe`` broadcast to every head, as vLLM's MLA prefill does) and writes NVFP4 into the buffers; rows
-past ``num_actual_tokens`` (vLLM's padding) are zeroed. The new tokens reach the KV cache through vLLM's
-own cache-update op, which the graph keeps (``kv_cache_dummy_dep``).
+Otherwise the fused path runs (path ``"fused"``: every prefill row is written by the fused backend
+:func:`fusion_pass.backends.select_backend` picks):
+
+* standard layers (pure-prefill batches): causal varlen attention of the ``num_actual_tokens`` rows;
+* MLA (vLLM orders a batch's ``D = num_decode_tokens`` decode rows first, then the prefills): the
+  prefill rows ``[D, num_actual_tokens)`` through :func:`fusion_pass.backends.run_prefills`, keys and
+  values expanded from ``kv_c_normed`` through the layer's ``kv_b_proj`` with ``k_pe`` broadcast to
+  every head, as vLLM's MLA prefill does; prefills with cached context also attend to their context,
+  read from the paged latent cache (the prefills' block table and context lengths) and expanded the
+  same way. Then the decode rows, computed as vLLM computes them (``forward_impl`` on rows ``[0, D)``)
+  and quantized with the unfused graph's quant op into their rows of the buffers (counted under
+  ``decode_tokens`` in ``post_quantized``): byte-equal to the unfused graph by construction.
+
+Rows past ``num_actual_tokens`` (vLLM's padding) are zeroed. The new tokens reach the KV cache through
+vLLM's own cache-update op, which the graph keeps (``kv_cache_dummy_dep``). The fused path runs inside
+vLLM's KV-connector hooks (``maybe_transfer_kv_layer``: a connector's layer load is waited for before the
+cached context is read, the layer saved after), as vLLM's attention ops run.
 
 The exact fallback calls vLLM's own attention op into a temporary buffer of the query dtype, then the
 same quant op the unfused graph calls (``_C::scaled_fp4_quant.out`` where vLLM has it, else
@@ -30,6 +50,8 @@ same quant op the unfused graph calls (``_C::scaled_fp4_quant.out`` where vLLM h
 """
 
 
+import functools
+import inspect
 import logging
 
 import torch
@@ -40,6 +62,22 @@ logger = logging.getLogger("vllm.fusion_pass")
 
 NO_METADATA = "no_attention_metadata"
 LAYER_NOT_SUPPORTED = "layer_not_supported"
+DECODE_TOKENS = "decode_tokens"
+CHUNKED_PREFILL = "chunked_prefill"
+
+FORWARD_IMPL_STRUCTURE = (
+    "q = q[:num_actual_toks, ...]",
+    "num_mqa_tokens = attn_metadata.num_decode_tokens",
+    "num_mha_tokens = q.size(0) - num_mqa_tokens",
+    "if num_mha_tokens > 0:",
+    "mqa_q = q[:num_mqa_tokens]",
+    "mqa_output_slice = output[:num_mqa_tokens]",
+)
+"""Statements of vLLM's ``MLAAttention.forward_impl`` (``vllm/model_executor/layers/attention/mla_attention.py``,
+whitespace-normalised) that make ``forward_impl(q[:D], kv_c_normed[:D], k_pe[:D], kv_cache, metadata,
+output=[D, H*Dv])`` compute exactly the decode rows of the whole call: the inputs are cut to
+``num_actual_tokens`` rows (``D`` stay ``D``), the MQA (decode) part takes the first ``num_decode_tokens``
+rows, the MHA (prefill) part the rest of ``q``, which is empty."""
 
 # (no ``from __future__ import annotations`` here: the op signatures are read by infer_schema)
 _lib = None  # the torch.library.Library holding the ops (their lifetime is the library's)
@@ -67,32 +105,68 @@ def _dcp_world_size() -> int:
 
 
 def _context(layer_name):
-    """``(attention metadata, layer)`` of ``layer_name`` from vLLM's forward context."""
+    """``(attention metadata, layer, KV cache)`` of ``layer_name`` from vLLM's forward context."""
     from vllm.model_executor.layers.attention.attention import get_attention_context
 
-    return get_attention_context(_name(layer_name))[:2]
+    return get_attention_context(_name(layer_name))[:3]
 
 
-def decide(layer_name, q, md, layer) -> "guard.Decision":
-    """The guard for one call (module docstring), from the layer and its metadata (:func:`_context`)."""
+def decide(layer_name, q, md, layer, kv_cache=None) -> "guard.Decision":
+    """The guard for one call (module docstring), from the layer, its metadata and KV cache (:func:`_context`).
+
+    Per token, as :func:`fusion_pass.guard.decide`: ``prefill_tokens`` and ``fused_tokens`` of the
+    ``num_actual_tokens`` rows, ``post_quantized`` ``{reason: rows}`` for the rest (a fallback: every
+    row under its reason; an MLA batch with decode rows fused: the decode rows under ``decode_tokens``).
+    No metadata (a profile or dummy run) counts no tokens.
+    """
     if md is None:
         return guard.Decision("fallback", NO_METADATA, None, "no attention metadata (vLLM profile/dummy run)")
-    decode, context = _batch_kind(md)
-    if decode:
-        return guard.Decision("fallback", "decode_tokens", None, f"{decode} decode token(s)")
-    if context:
-        return guard.Decision("fallback", "chunked_prefill", None, f"{context} prefill request(s) with cached context")
+    mla = _is_mla(layer)
+    n = int(getattr(md, "num_actual_tokens", q.shape[0]))
+    if mla:
+        decode, _, context_lens = _mla_batch(md)
+        with_context = sum(1 for c in context_lens if c)
+    else:
+        decode, with_context = _batch_kind(md)
+    prefill = n - decode
+
+    def fallback(reason: str, detail: str) -> guard.Decision:
+        return guard.Decision("fallback", reason, None, detail, prefill, 0, {reason: n})
+
+    if prefill == 0:
+        return fallback(DECODE_TOKENS, f"{decode} decode token(s), no prefill")
+    if not mla and decode:
+        return fallback(DECODE_TOKENS, f"{decode} decode token(s)")
+    if not mla and with_context:
+        return fallback(CHUNKED_PREFILL, f"{with_context} prefill request(s) with cached context")
     dcp = _dcp_world_size()
     if dcp != 1:
-        return guard.Decision("fallback", "dcp_world_size>1", None, f"dcp_world_size={dcp}")
+        return fallback("dcp_world_size>1", f"dcp_world_size={dcp}")
     unsupported = _unsupported(layer, md)
     if unsupported:
-        return guard.Decision("fallback", LAYER_NOT_SUPPORTED, None, f"{_name(layer_name)}: {unsupported}")
+        return fallback(LAYER_NOT_SUPPORTED, f"{_name(layer_name)}: {unsupported}")
     heads, qk_dim, v_dim = _dims(layer)
     backend, why = backends.select_backend(q.device, q.dtype, heads, qk_dim, v_dim)
     if backend is None:
-        return guard.Decision("fallback", "no_backend", None, why)
-    return guard.Decision("fused", None, backend.name, why)
+        return fallback("no_backend", why)
+    if not mla:
+        return guard.Decision("fused", None, backend.name, why, prefill, prefill, {})
+    if decode:
+        mismatch = _forward_impl_mismatch(type(layer).forward_impl)
+        if mismatch:
+            return fallback(DECODE_TOKENS, f"{decode} decode token(s) beside {prefill} prefill token(s): {mismatch}")
+        why += f"; {decode} decode row(s) computed by vLLM's MLA decode and post-quantized"
+    if with_context:
+        if not getattr(backend, "handles_context", False):
+            return fallback(CHUNKED_PREFILL, f"{with_context} prefill request(s) with cached context: backend "
+                                             f"{backend.name} runs prefills without cached context only")
+        unreadable = _latent_cache_unreadable(layer, kv_cache)
+        if unreadable:
+            return fallback(CHUNKED_PREFILL, f"{with_context} prefill request(s) with cached context: {unreadable}")
+        why += (f"; {with_context} prefill(s) attend to {sum(context_lens)} cached context token(s) "
+                f"read from the paged latent cache")
+    return guard.Decision("fused", None, backend.name, why, prefill, prefill,
+                          {DECODE_TOKENS: decode} if decode else {})
 
 
 def _is_mla(layer) -> bool:
@@ -115,6 +189,10 @@ def _unsupported(layer, md) -> str | None:
     if _is_mla(layer):
         if getattr(impl, "is_sparse", False):
             return "sparse MLA"
+        if getattr(layer, "hisparse_cache", None) is not None:
+            return "HiSparse KV cache"
+        if getattr(layer, "use_pcp", False):
+            return "prefill context parallelism"
         return None
     attn_type = str(getattr(layer, "attn_type", "decoder"))
     if "decoder" not in attn_type.lower() or not getattr(md, "causal", True):
@@ -132,48 +210,193 @@ def _unsupported(layer, md) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_impl_mismatch(forward_impl) -> str | None:
+    """Why ``forward_impl`` (vLLM's ``MLAAttention.forward_impl``) cannot compute the decode rows alone
+    (a statement of :data:`FORWARD_IMPL_STRUCTURE` missing from its source), or None."""
+    where = getattr(forward_impl, "__qualname__", repr(forward_impl))
+    try:
+        source = " ".join(inspect.getsource(forward_impl).split())
+    except (OSError, TypeError) as exc:
+        return f"cannot read the source of vLLM's {where} to check its decode/prefill split ({exc})"
+    missing = [s for s in FORWARD_IMPL_STRUCTURE if s not in source]
+    if missing:
+        return (f"the installed vLLM's {where} does not split decode and prefill rows as the fused path "
+                f"relies on (missing: {'; '.join(missing)})")
+    return None
+
+
+def _latent_cache_unreadable(layer, kv_cache) -> str | None:
+    """Why ``kv_cache`` is not an unquantized MLA latent cache ``[num_blocks, block_size, L + R]``, or None."""
+    width = layer.kv_lora_rank + layer.qk_rope_head_dim
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3 or kv_cache.shape[-1] != width:
+        shape = list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__
+        return f"KV cache {shape} is not the MLA latent cache [num_blocks, block_size, {width}]"
+    if kv_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"KV cache dtype {kv_cache.dtype} (the fused path reads unquantized latents)"
+    return None
+
+
 def _prefill_inputs(layer, md, inputs):
-    """``(q, k, v, cu_seqlens, max_seqlen, softmax_scale)`` of a pure-prefill batch's ``num_actual_tokens``
-    rows: dense ``[n, H, Dqk]`` / ``[n, Hk, Dqk]`` / ``[n, Hk, Dv]`` in the query dtype."""
+    """``(q, k, v, cu_seqlens, max_seqlen, softmax_scale)`` of a standard layer's pure-prefill batch's
+    ``num_actual_tokens`` rows: dense ``[n, H, D]`` / ``[n, Hk, D]`` / ``[n, Hk, D]`` in the query dtype."""
     n = md.num_actual_tokens
-    if _is_mla(layer):
-        q, kv_c_normed, k_pe = (t[:n] for t in inputs)
-        heads, nope, rope, dv = layer.num_heads, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
-        kv = layer.kv_b_proj(kv_c_normed)[0].view(n, heads, nope + dv)
-        k_nope, v = kv.split([nope, dv], dim=-1)
-        k = torch.cat([k_nope, k_pe.reshape(n, 1, rope).expand(n, heads, rope)], dim=-1)
-        prefill = md.prefill
-        return q, k, v.contiguous(), prefill.query_start_loc, prefill.max_query_len, layer.scale
     q, k, v = (t[:n] for t in inputs)
     heads, kv_heads, d = layer.num_heads, layer.num_kv_heads, layer.head_size
     q, k, v = q.reshape(n, heads, d), k.reshape(n, kv_heads, d), v.reshape(n, kv_heads, d)
     return q, k, v, md.query_start_loc, md.max_query_len, layer.impl.scale
 
 
-def _run_fused(backend_name: str, md, layer, inputs, output, output_scale, output_block_scale) -> None:
-    """The fused backend on the batch's real rows; padding rows (vLLM pads for CUDA graphs) zeroed."""
-    q, k, v, cu_seqlens, max_seqlen, softmax_scale = _prefill_inputs(layer, md, inputs)
-    n, tokens = q.shape[0], output.shape[0]
+def _nvfp4_rows(output, output_block_scale, n: int):
+    """``(packed uint8 [T, H*Dv/2], every scale byte (flat), the scale bytes of n rows [round_up(n, 128), cols])``."""
+    tokens = output.shape[0]
     packed = output.view(tokens, -1)
-    width = packed.shape[1] * 2
-    rows, cols = nvfp4.scale_shape(n, width)
+    rows, cols = nvfp4.scale_shape(n, packed.shape[1] * 2)
     scale_bytes = output_block_scale.view(torch.uint8).view(-1)
-    backends.get_backend(backend_name).run_varlen(
-        q, k, v, cu_seqlens.to(torch.int32), int(max_seqlen), float(softmax_scale),
-        packed[:n], output_scale, scale_bytes[: rows * cols].view(rows, cols))
+    return packed, scale_bytes, scale_bytes[: rows * cols].view(rows, cols)
+
+
+def _zero_padding(packed, scale_bytes, n: int) -> None:
+    """Zero rows past ``n`` (vLLM pads batches for CUDA graphs) and the scale tiles past ``n``'s."""
+    rows, cols = nvfp4.scale_shape(n, packed.shape[1] * 2)
     packed[n:].zero_()
     scale_bytes[rows * cols:].zero_()
+
+
+def _run_fused(backend_name: str, md, layer, kv_cache, inputs, output, output_scale, output_block_scale) -> None:
+    """The fused backend on the batch's prefill rows (MLA: :func:`_run_fused_mla`); padding rows zeroed."""
+    if _is_mla(layer):
+        _run_fused_mla(backends.get_backend(backend_name), md, layer, kv_cache, inputs, output, output_scale,
+                       output_block_scale)
+        return
+    q, k, v, cu_seqlens, max_seqlen, softmax_scale = _prefill_inputs(layer, md, inputs)
+    n = q.shape[0]
+    packed, scale_bytes, scales = _nvfp4_rows(output, output_block_scale, n)
+    backends.get_backend(backend_name).run_varlen(
+        q, k, v, cu_seqlens.to(torch.int32), int(max_seqlen), float(softmax_scale),
+        packed[:n], output_scale, scales)
+    _zero_padding(packed, scale_bytes, n)
+
+
+def _mla_batch(md) -> tuple[int, list[int], list[int]]:
+    """``(D, query_lens, context_lens)`` of vLLM's MLA metadata (``MLACommonMetadata``), host ints: the
+    decode tokens (rows ``[0, D)``), then per prefill request (rows from ``D`` on, in order) its new
+    tokens and its cached context tokens (``prefill.chunked_context.context_lens_list``; 0 without)."""
+    decode = int(md.num_decode_tokens)
+    prefill = md.prefill
+    if prefill is None or not md.num_prefills:
+        return decode, [], []
+    lens = getattr(prefill, "query_lens_cpu", None)
+    if lens is None:  # vLLM's builder sets it; otherwise from the (device) offsets
+        loc = prefill.query_start_loc[: md.num_prefills + 1].to("cpu")
+        lens = loc[1:] - loc[:-1]
+    query_lens = [int(x) for x in lens.tolist()]
+    chunked = prefill.chunked_context
+    context_lens = [int(c) for c in chunked.context_lens_list] if chunked is not None else [0] * len(query_lens)
+    return decode, query_lens, context_lens
+
+
+def _cached_latents(block_table, kv_cache, context_lens: list[int]):
+    """Positions ``[0, context_lens[i])`` of each prefill's paged latent cache, packed in request order:
+    ``[sum(context_lens), L + R]`` in the cache dtype.
+
+    ``block_table``: int ``[num_prefills, max_blocks]`` (``MLACommonPrefillMetadata.block_table``, the
+    prefills' rows); ``kv_cache``: ``[num_blocks, block_size, L + R]``, position ``p`` of request ``i`` at
+    ``kv_cache[block_table[i, p // block_size], p % block_size]`` (as vLLM's context gathers read it).
+    """
+    device = kv_cache.device
+    total = sum(context_lens)
+    lens = torch.tensor(context_lens, dtype=torch.long, device=device)
+    request = torch.repeat_interleave(torch.arange(len(context_lens), device=device), lens, output_size=total)
+    position = torch.arange(total, device=device) - (torch.cumsum(lens, 0) - lens)[request]
+    block_size = kv_cache.shape[1]
+    blocks = block_table.to(device)[request, position // block_size].long()
+    return kv_cache[blocks, position % block_size]
+
+
+def _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, first_row: int, context_lens: list[int]):
+    """Keys and values of the prefill rows ``[first_row, n)`` and of their cached context, expanded through
+    ``kv_b_proj`` (``k = [k_nope, k_pe broadcast to every head]``, as vLLM's MLA prefill expands them).
+
+    Args:
+        kv_c_normed: ``[n, L]``; k_pe: ``[n, 1, R]`` (the call's rows; decode rows first).
+
+    Returns:
+        ``k [n, H, Dqk]``, ``v [n, H, Dv]`` (rows ``< first_row`` not written), ``k_context [C, H, Dqk]``,
+        ``v_context [C, H, Dv]`` with ``C = sum(context_lens)`` in request order (None when ``C == 0``);
+        in ``kv_b_proj``'s output dtype.
+    """
+    n = kv_c_normed.shape[0]
+    heads, nope, rope, dv = layer.num_heads, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
+    lora = layer.kv_lora_rank
+    latent, pe = kv_c_normed[first_row:], k_pe[first_row:].reshape(-1, rope)
+    rows = latent.shape[0]
+    if sum(context_lens):
+        cached = _cached_latents(md.prefill.block_table, kv_cache, context_lens).to(latent.dtype)
+        latent, pe = torch.cat([latent, cached[:, :lora]]), torch.cat([pe, cached[:, lora:]])
+    kv = layer.kv_b_proj(latent)[0].view(-1, heads, nope + dv)
+    k_nope, v_all = kv.split([nope, dv], dim=-1)
+    k_all = torch.cat([k_nope, pe.reshape(-1, 1, rope).expand(-1, heads, rope)], dim=-1)
+    v_all = v_all.contiguous()
+    if first_row:
+        k, v = k_all.new_empty(n, heads, nope + rope), v_all.new_empty(n, heads, dv)
+        k[first_row:], v[first_row:] = k_all[:rows], v_all[:rows]
+    else:
+        k, v = k_all[:rows], v_all[:rows]
+    if k_all.shape[0] == rows:
+        return k, v, None, None
+    return k, v, k_all[rows:], v_all[rows:]
+
+
+def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale) -> None:
+    """An MLA call with at least one prefill row: the prefills (rows ``[D, n)``, ``n = num_actual_tokens``)
+    through :func:`fusion_pass.backends.run_prefills` first (its entry point may zero scale bytes of the
+    last 128-row tile, which decode rows may share), then the decode rows ``[0, D)``
+    (:func:`_run_decode_rows`); rows past ``n`` zeroed."""
+    n = int(md.num_actual_tokens)
+    decode, query_lens, context_lens = _mla_batch(md)
+    q, kv_c_normed, k_pe = (t[:n] for t in inputs)
+    packed, scale_bytes, scales = _nvfp4_rows(output, output_block_scale, n)
+    k, v, k_context, v_context = _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, decode, context_lens)
+    backends.run_prefills(backend, q, k, v, first_row=decode, query_lens=query_lens, context_lens=context_lens,
+                          k_context=k_context, v_context=v_context, softmax_scale=float(layer.scale),
+                          output=packed[:n], output_scale=output_scale, output_block_scale=scales)
+    if decode:
+        _run_decode_rows(layer, md, kv_cache, inputs, decode, output_scale, packed, scale_bytes, output_block_scale)
+    _zero_padding(packed, scale_bytes, n)
+
+
+def _run_decode_rows(layer, md, kv_cache, inputs, decode: int, output_scale, packed, scale_bytes,
+                     output_block_scale) -> None:
+    """Rows ``[0, D)`` of an MLA call exactly as the unfused graph writes them.
+
+    vLLM's ``forward_impl`` on the decode rows only (its MQA part; :data:`FORWARD_IMPL_STRUCTURE`) into a
+    ``[D, H*Dv]`` temporary of the query dtype, the unfused graph's quant op (:func:`_quant_op`) into
+    ``[D, H*Dv/2]`` / swizzled ``D``-row temporaries, whose bytes are copied into rows ``[0, D)`` of
+    ``packed`` and of the swizzled scales: a scale's offset depends on its row and block column only
+    (:func:`fusion_pass.nvfp4.swizzled_offset`), and no byte of another row of a shared 128-row tile is
+    written. Quantization is per row, so the bytes equal the unfused graph's rows ``[0, D)``.
+    """
+    q, kv_c_normed, k_pe = (t[:decode] for t in inputs)
+    width = packed.shape[1] * 2
+    tmp = torch.empty(decode, width, dtype=q.dtype, device=q.device)
+    layer.forward_impl(q, kv_c_normed, k_pe, kv_cache, md, output=tmp)
+    rows, cols = nvfp4.scale_shape(decode, width)
+    rows_packed = torch.empty(decode, width // 2, dtype=torch.uint8, device=q.device)
+    rows_scales = torch.empty(rows, cols, dtype=torch.uint8, device=q.device).view(output_block_scale.dtype)
+    _quant_op()(tmp, output_scale, True, output=rows_packed, output_scale=rows_scales)
+    packed[:decode].copy_(rows_packed)
+    offsets = nvfp4.swizzled_offset(torch.arange(decode, device=q.device)[:, None],
+                                    torch.arange(cols, device=q.device)[None, :], width // nvfp4.BLOCK_SIZE)
+    offsets = offsets.reshape(-1)
+    scale_bytes[offsets] = rows_scales.view(torch.uint8).view(-1)[offsets]
 
 
 def _batch_kind(md):
     """(decode tokens, prefill requests with cached context) of vLLM's attention metadata."""
     if hasattr(md, "num_decode_tokens") and hasattr(md, "prefill") and hasattr(md, "num_prefills"):  # MLA common
-        prefill = md.prefill
-        chunked = getattr(prefill, "chunked_context", None) if prefill is not None else None
-        context = 0
-        if chunked is not None:
-            context = int((chunked.context_lens > 0).sum().item()) if hasattr(chunked, "context_lens") else 1
-        return int(md.num_decode_tokens), context
+        decode, _, context_lens = _mla_batch(md)
+        return decode, sum(1 for c in context_lens if c)
     # standard backends: per request, context = seq_len - query_len; a one-token query with context is a decode
     qsl, seq_lens = getattr(md, "query_start_loc", None), getattr(md, "seq_lens", None)
     if qsl is None or seq_lens is None:
@@ -185,11 +408,25 @@ def _batch_kind(md):
     return int(q_lens[is_decode].sum().item()), int(((ctx > 0) & ~is_decode).sum().item())
 
 
+@functools.lru_cache(maxsize=None)
+def _with_kv_transfer():
+    """``call(layer_name, fn)``: ``fn()`` inside vLLM's KV-connector hooks, as vLLM's attention ops run
+    (``maybe_transfer_kv_layer``, vllm/model_executor/layers/attention/kv_transfer_utils.py: with a KV
+    connector, wait for the layer's KV to load before, save the layer's KV after; else nothing)."""
+    from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+
+    def call(layer_name, fn):
+        fn()
+
+    return maybe_transfer_kv_layer(call)
+
+
 def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads) -> None:
-    md, layer = _context(layer_name)
-    decision = decide(layer_name, inputs[0], md, layer)
-    if decision.fused:
-        _run_fused(decision.backend, md, layer, inputs, output, output_scale, output_block_scale)
+    md, layer, kv_cache = _context(layer_name)
+    decision = decide(layer_name, inputs[0], md, layer, kv_cache)
+    if decision.fused:  # the exact fallback calls vLLM's op, which runs the KV-connector hooks itself
+        _with_kv_transfer()(layer_name, lambda: _run_fused(decision.backend, md, layer, kv_cache, inputs, output,
+                                                           output_scale, output_block_scale))
     else:
         _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads)
     guard.record(decision)

@@ -1,0 +1,259 @@
+"""The MLA run-time op's row-wise paths without an engine: a stand-in MLA layer (its ``forward_impl``
+records the rows it is given), vLLM-shaped metadata, a paged latent cache.
+
+The engine tests (test_vllm_engine.py) run the same code inside vLLM; these pin what an engine on vLLM's CPU
+build cannot show: decode rows sharing a 128-row scale tile with prefill rows that the backend's entry
+point clobbers, more than 128 decode rows, the guard's refusals, vLLM's KV-connector hooks around fused
+calls."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fusion_pass.ops  # noqa: F401  (torch.ops.fusion_pass.scaled_fp4_quant, the unfused graph's quant op on CPU)
+from fusion_pass import backends, nvfp4
+from fusion_pass.vllm import attention
+
+H, NOPE, ROPE, DV, LORA, BLOCK = 4, 32, 16, 32, 64, 16
+K = H * DV
+GS = torch.tensor([448.0 * 6.0 / 2.0])
+
+
+class StandInMLA:
+    """What the op reads of vLLM's ``MLAAttention``; ``forward_impl`` writes a function of its query rows."""
+
+    num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank = H, NOPE, ROPE, DV, LORA
+    kv_cache_dtype, hisparse_cache, use_pcp, layer_name = "auto", None, False, "stand_in.attn"
+    impl = SimpleNamespace(is_sparse=False)
+
+    def __init__(self, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.weight = (torch.randn(LORA, H * (NOPE + DV), generator=g) / LORA ** 0.5).to(torch.bfloat16)
+        self.scale = (NOPE + ROPE) ** -0.5
+        self.kv_b_proj = lambda x: (x @ self.weight,)
+        self.forward_impl_rows: list[int] = []
+
+    def forward_impl(self, q, kv_c_normed, k_pe, kv_cache, attn_metadata, output, **kwargs):
+        self.forward_impl_rows.append(q.shape[0])
+        output.copy_(self.decode_output(q))
+
+    @staticmethod
+    def decode_output(q):
+        return (q[..., :DV] * 1.5).reshape(q.shape[0], K)
+
+
+class VllmStructure(StandInMLA):
+    """Has the source of vLLM's ``MLAAttention.forward_impl`` (only read by the guard)."""
+
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    forward_impl = MLAAttention.forward_impl
+
+
+def metadata(decode: int, query_lens: list[int], context_lens: list[int], block_table=None):
+    prefill = SimpleNamespace(
+        query_lens_cpu=torch.tensor(query_lens), block_table=block_table,
+        query_start_loc=torch.tensor([0] + query_lens).cumsum(0),
+        chunked_context=SimpleNamespace(context_lens_list=list(context_lens)) if any(context_lens) else None)
+    return SimpleNamespace(num_actual_tokens=decode + sum(query_lens), num_decode_tokens=decode,
+                           num_prefills=len(query_lens), prefill=prefill if query_lens else None, causal=True)
+
+
+def batch(decode: int, query_lens: list[int], context_lens: list[int], seed: int = 1):
+    """Inputs, metadata and a paged latent cache whose blocks are shuffled per request."""
+    g = torch.Generator().manual_seed(seed)
+    n = decode + sum(query_lens)
+    q = torch.randn(n, H, NOPE + ROPE, generator=g).to(torch.bfloat16)
+    kv_c = torch.randn(n, LORA, generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(n, 1, ROPE, generator=g).to(torch.bfloat16)
+    per_request = max([-(-c // BLOCK) for c in context_lens] + [1])
+    num_blocks = per_request * max(len(context_lens), 1) + 3
+    kv_cache = torch.randn(num_blocks, BLOCK, LORA + ROPE, generator=g).to(torch.bfloat16)
+    block_table = torch.randperm(num_blocks, generator=g)[: per_request * max(len(context_lens), 1)]
+    block_table = block_table.view(max(len(context_lens), 1), per_request).to(torch.int32)
+    return (q, kv_c, k_pe), metadata(decode, query_lens, context_lens, block_table), kv_cache
+
+
+def buffers(n: int, fill: int = 0x77):
+    rows, cols = nvfp4.scale_shape(n, K)
+    """uint8 ``[n, K/2]`` and vLLM's int32 swizzled scale buffer, every byte ``fill``."""
+    return (torch.full((n, K // 2), fill, dtype=torch.uint8),
+            torch.full((rows, cols), fill, dtype=torch.uint8).view(torch.int32))
+
+
+def row_scale_bytes(scales, rows, k=K):
+    cols = nvfp4.scale_shape(1, k)[1]
+    rows = torch.tensor(list(rows), dtype=torch.long)
+    offsets = nvfp4.swizzled_offset(rows[:, None], torch.arange(cols)[None, :], k // nvfp4.BLOCK_SIZE)
+    return scales.view(torch.uint8).view(-1)[offsets]
+
+
+def expected_prefill(layer, inputs, md, kv_cache):
+    """float32 attention of each prefill over its cached context (gathered position by position) and its new
+    tokens, causal aligned to the end: ``[P, H*Dv]``."""
+    q, kv_c, k_pe = inputs
+    d = md.num_decode_tokens
+    out, row = [], d
+    for i, (lq, lc) in enumerate(zip(md.prefill.query_lens_cpu.tolist(), md.prefill.chunked_context.context_lens_list
+                                      if md.prefill.chunked_context else [0] * md.num_prefills)):
+        cached = torch.stack([kv_cache[md.prefill.block_table[i, p // BLOCK], p % BLOCK] for p in range(lc)]) \
+            if lc else kv_cache.new_zeros(0, LORA + ROPE)
+        latent = torch.cat([cached[:, :LORA], kv_c[row:row + lq]])
+        pe = torch.cat([cached[:, LORA:], k_pe[row:row + lq, 0]])
+        kv = layer.kv_b_proj(latent)[0].view(-1, H, NOPE + DV)
+        k = torch.cat([kv[..., :NOPE], pe[:, None, :].expand(-1, H, ROPE)], -1).float()
+        v = kv[..., NOPE:].float()
+        s = torch.einsum("qhd,khd->hqk", q[row:row + lq].float(), k) * layer.scale
+        mask = torch.ones(lq, lc + lq, dtype=torch.bool).tril(lc)
+        p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", p, v).reshape(lq, K))
+        row += lq
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("decode,query_lens,context_lens", [
+    (3, [5, 9], [0, 0]),          # mixed, no context: one 128-row tile shared by decode and prefill rows
+    (2, [7, 4], [40, 0]),         # mixed with a chunked prefill beside a fresh one
+    (0, [4], [48]),               # a prefix-cache hit
+    (130, [6, 3], [17, 33]),      # decode rows spanning two tiles, the second shared with prefill rows
+])
+def test_mla_rows_decode_exact_prefill_fused_with_context(decode, query_lens, context_lens):
+    layer = StandInMLA()
+    inputs, md, kv_cache = batch(decode, query_lens, context_lens)
+    n = md.num_actual_tokens
+    packed, scales = buffers(n + 5)  # 5 padding rows past num_actual_tokens
+    attention._run_fused_mla(backends.get_backend("reference"), md, layer, kv_cache, inputs, packed, GS, scales)
+    assert layer.forward_impl_rows == ([decode] if decode else [])
+    decode_out = layer.decode_output(inputs[0][:decode])
+    full = torch.cat([decode_out.float(), expected_prefill(layer, inputs, md, kv_cache)])
+    want_packed, want_scales = nvfp4.quantize(full, GS)
+    # decode rows: the unfused graph's bytes (per-row quantization of forward_impl's query-dtype output)
+    assert torch.equal(packed[:decode], want_packed[:decode])
+    assert torch.equal(row_scale_bytes(scales, range(decode)), row_scale_bytes(want_scales, range(decode)))
+    # prefill rows: float32 attention over context + new keys, quantized
+    got = nvfp4.dequantize(packed[:n], scales, GS, m=n)[decode:]
+    ref = full[decode:]
+    assert ((got - ref).abs() <= 2 * nvfp4.error_bound(ref, GS) + ref.abs() * 2.0 ** -7).all()
+    # padding rows zeroed, scale bytes past the real rows of the last tile zeroed
+    assert not packed[n:].any()
+    assert not row_scale_bytes(scales, range(n, nvfp4.round_up(n, 128))).any()
+
+
+class ClobberingBackend:
+    """The reference backend whose entry point then sets every scale byte of the last 128-row tile and every
+    packed byte outside its rows to 0xEE: rows written by anyone else must go in after it."""
+
+    name, handles_context = "clobbering", True
+
+    def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale, output_block_scale,
+                   **kwargs):
+        backends.get_backend("reference").run_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale, output,
+                                                     output_scale, output_block_scale, **kwargs)
+        a, b = int(cu_seqlens[0]), int(cu_seqlens[-1])
+        output[:a] = 0xEE
+        flat = output_block_scale.view(torch.uint8).view(-1)
+        flat[flat.numel() - 128 * (flat.numel() // output_block_scale.shape[0]):] = 0xEE
+        self.prefill_scales = row_scale_bytes(output_block_scale, range(a, b)).clone()
+
+
+def test_decode_rows_go_in_after_the_backend_and_touch_no_prefill_row_of_their_tile():
+    layer, backend = StandInMLA(), ClobberingBackend()
+    inputs, md, kv_cache = batch(5, [6, 7], [0, 20])
+    n = md.num_actual_tokens
+    packed, scales = buffers(n)
+    attention._run_fused_mla(backend, md, layer, kv_cache, inputs, packed, GS, scales)
+    want_packed, want_scales = nvfp4.quantize(layer.decode_output(inputs[0][:5]), GS)
+    assert torch.equal(packed[:5], want_packed)
+    assert torch.equal(row_scale_bytes(scales, range(5)), row_scale_bytes(want_scales, range(5)))
+    # the prefill rows keep what the backend left there, clobbered scale bytes included
+    assert torch.equal(row_scale_bytes(scales, range(5, n)), backend.prefill_scales)
+    assert (backend.prefill_scales == 0xEE).all()
+
+
+def test_guard_fuses_mla_prefill_rows_beside_decode_rows_and_context():
+    layer = VllmStructure()
+    inputs, md, kv_cache = batch(3, [5, 9], [0, 40])
+    decision = attention.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
+    assert (decision.path, decision.reason, decision.backend) == ("fused", None, "reference")
+    assert (decision.prefill_tokens, decision.fused_tokens, decision.post_quantized) == (14, 14, {"decode_tokens": 3})
+    assert "3 decode row(s)" in decision.detail and "40 cached context token(s)" in decision.detail
+
+
+def test_guard_falls_back_where_rows_cannot_be_computed_apart():
+    inputs, md, kv_cache = batch(3, [5, 9], [0, 40])
+    # a forward_impl without vLLM's decode/prefill split: decode rows cannot be computed alone
+    decision = attention.decide("stand_in.attn", inputs[0], md, StandInMLA(), kv_cache)
+    assert (decision.path, decision.reason) == ("fallback", "decode_tokens")
+    assert "does not split decode and prefill rows" in decision.detail
+    assert decision.post_quantized == {"decode_tokens": 17} and decision.prefill_tokens == 14
+    # a cache that is not the unquantized latent cache [num_blocks, block_size, L + R]
+    decision = attention.decide("stand_in.attn", inputs[0], md, VllmStructure(), kv_cache.view(-1, LORA + ROPE))
+    assert (decision.path, decision.reason) == ("fallback", "chunked_prefill")
+    assert "is not the MLA latent cache" in decision.detail
+    decision = attention.decide("stand_in.attn", inputs[0], md, VllmStructure(), kv_cache.to(torch.float8_e4m3fn))
+    assert (decision.path, decision.reason) == ("fallback", "chunked_prefill")
+    # decode-only batches, quantized-cache layers and no metadata, as before
+    _, decode_only, _ = batch(4, [], [])
+    decision = attention.decide("stand_in.attn", inputs[0], decode_only, VllmStructure(), kv_cache)
+    assert (decision.reason, decision.prefill_tokens) == ("decode_tokens", 0)
+    assert decision.post_quantized == {"decode_tokens": 4}
+    quantized = VllmStructure()
+    quantized.kv_cache_dtype = "fp8"
+    assert attention.decide("stand_in.attn", inputs[0], md, quantized, kv_cache).reason == "layer_not_supported"
+    assert attention.decide("stand_in.attn", inputs[0], None, VllmStructure(), kv_cache).reason == \
+        "no_attention_metadata"
+
+
+def test_guard_keeps_standard_layers_on_the_exact_fallback_for_decode_rows_and_context():
+    layer = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=64, kv_cache_dtype="auto", attn_type="decoder",
+                            impl=SimpleNamespace(sliding_window=None, alibi_slopes=None, sinks=None,
+                                                 logits_soft_cap=None, scale=0.125))
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+
+    def standard(query_lens, seq_lens):
+        loc = torch.tensor([0] + query_lens).cumsum(0)
+        return SimpleNamespace(query_start_loc=loc, seq_lens=torch.tensor(seq_lens), num_actual_tokens=int(loc[-1]),
+                               max_query_len=max(query_lens), causal=True)
+
+    mixed = attention.decide("l", q, standard([1, 6], [9, 6]), layer)
+    assert (mixed.reason, mixed.post_quantized, mixed.prefill_tokens) == ("decode_tokens", {"decode_tokens": 7}, 6)
+    chunked = attention.decide("l", q, standard([6], [20]), layer)
+    assert (chunked.reason, chunked.post_quantized) == ("chunked_prefill", {"chunked_prefill": 6})
+    fused = attention.decide("l", q, standard([6, 3], [6, 3]), layer)
+    assert (fused.path, fused.fused_tokens, fused.post_quantized) == ("fused", 9, {})
+
+
+def test_fused_calls_run_inside_vllms_kv_connector_hooks(monkeypatch):
+    """With a KV connector (disaggregated prefill, external prefix caches), the layer's KV is loaded before the
+    fused path reads cached context and saved after, as around vLLM's own attention op."""
+    from vllm.model_executor.layers.attention import attention as vllm_attention
+    from vllm.model_executor.layers.attention import kv_transfer_utils
+
+    events = []
+    layer = VllmStructure()
+    expand = layer.kv_b_proj
+    layer.kv_b_proj = lambda x: (events.append("fused path reads the cache"), expand(x))[1]
+    inputs, md, kv_cache = batch(0, [4], [48])
+
+    class Connector:
+        def has_connector_metadata(self):
+            return True
+
+        def wait_for_layer_load(self, name):
+            events.append(f"wait {name}")
+
+        def save_kv_layer(self, name, cache, metadata):
+            events.append(f"save {name}")
+
+    monkeypatch.setattr(kv_transfer_utils, "has_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(kv_transfer_utils, "is_v1_kv_transfer_group", lambda: True)
+    monkeypatch.setattr(kv_transfer_utils, "get_kv_transfer_group", lambda: Connector())
+    monkeypatch.setattr(vllm_attention, "get_attention_context", lambda name: (md, layer, kv_cache, None))
+    attention._with_kv_transfer.cache_clear()  # decorated again with the patched context lookup
+    try:
+        packed, scales = buffers(md.num_actual_tokens)
+        attention._run(None, inputs, packed, "stand_in.attn", GS, scales, {}, None)
+    finally:
+        attention._with_kv_transfer.cache_clear()
+    assert events == ["wait stand_in.attn", "fused path reads the cache", "save stand_in.attn"]
