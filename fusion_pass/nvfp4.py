@@ -400,19 +400,29 @@ def _check_rows_into(fn: str, x, global_scale, packed, scales, row_start) -> Non
         raise ValueError(f"{fn}: x must be a 2-D tensor [M, K] (got shape {list(x.shape)})")
     _check_x(fn, x, global_scale)
     m, k = x.shape
+    _check_row_range(fn, packed, scales, row_start, m, k, x.device)
+
+
+def _check_row_range(
+    fn: str, packed, scales, row_start, m: int, k: int, device: torch.device, *, source: str = "x", width: str = "K"
+) -> None:
+    """``packed`` / ``scales`` are a ``T``-row NVFP4 buffer pair of ``k``-wide rows on ``device``
+    and rows ``[row_start, row_start + m)`` lie in it. The messages name the source tensor
+    (``source``, e.g. ``x``) and its row width (``width``, e.g. ``K``)."""
+    _check_tensor(fn, "packed", packed)
     if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != k // 2:
         raise ValueError(
-            f"{fn}: packed must be a uint8 tensor [T, K/2] = [T, {k // 2}] for x's K={k} "
+            f"{fn}: packed must be a uint8 tensor [T, {width}/2] = [T, {k // 2}] for {source}'s {width}={k} "
             f"(got {packed.dtype} {list(packed.shape)})"
         )
     if not packed.is_contiguous():
         raise ValueError(f"{fn}: packed must be contiguous (got strides {list(packed.stride())})")
-    if packed.device != x.device:
-        raise ValueError(f"{fn}: packed must be on x's device {x.device} (got {packed.device})")
+    if packed.device != device:
+        raise ValueError(f"{fn}: packed must be on {source}'s device {device} (got {packed.device})")
     t = packed.shape[0]
     _check_swizzled_buffer(fn, scales, t, k)
-    if scales.device != x.device:
-        raise ValueError(f"{fn}: scales must be on x's device {x.device} (got {scales.device})")
+    if scales.device != device:
+        raise ValueError(f"{fn}: scales must be on {source}'s device {device} (got {scales.device})")
     if not _is_int(row_start):
         raise TypeError(f"{fn}: row_start must be an int (got {type(row_start).__name__} {row_start!r})")
     if row_start < 0:

@@ -16,18 +16,23 @@ without it, it skips).
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import os
 import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from fusion_pass import backends, kernels, nvfp4
 from fusion_pass.kernels import fa4_sm90
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from context_cases import (ContextCase, ContextLimits, call_without_host_sync, context_case,  # noqa: E402
+                           context_inputs, reference_context_attention)
 
 
 def _gpu_reason() -> str | None:
@@ -217,70 +222,12 @@ LSE_ATOL = 1e-3
 inputs) bound the log-sum-exp's error; exp2/log2 approximations add a few 1e-7 relative."""
 
 
-def _context_lengths(seed: int, causal: bool, *, row0: bool = True):
-    """``(query_lens, key_lens, row0, tail)``: in random order one query, no context (``Lk = Lq``),
-    a long context (``Lk >> Lq``), no queries, random ones; non-causal also no keys and fewer keys
-    than queries. Queries start at row ``row0 > 0`` (when asked) and ``tail`` rows follow them."""
-    rng = random.Random(seed)
-    kinds = ["single", "no_context", "long_context", "no_queries"] + ["random"] * rng.randint(0, 2)
-    if not causal:
-        kinds += ["no_keys", "short_keys"]
-    rng.shuffle(kinds)
-    query_lens, key_lens = [], []
-    for kind in kinds:
-        lq = rng.randint(2, 300)
-        lk = lq + rng.randint(0, 1000)
-        if kind == "single":
-            lq, lk = 1, 1 + rng.randint(0, 1000)
-        elif kind == "no_context":
-            lk = lq
-        elif kind == "long_context":
-            lq = rng.randint(1, 3)
-            lk = lq + rng.randint(1000, 3000)
-        elif kind == "no_queries":
-            lq = 0
-        elif kind == "no_keys":
-            lk = 0
-        elif kind == "short_keys":
-            lk = rng.randint(1, lq - 1)
-        query_lens.append(lq)
-        key_lens.append(lk)
-    return query_lens, key_lens, (rng.randint(1, 300) if row0 else 0), (rng.randint(1, 5) if row0 else 0)
+CONTEXT_LIMITS = ContextLimits(max_queries=300, max_context=1000, max_long_context=3000, max_row0=300, max_tail=5)
 
 
-def _cumulative(lengths, start=0):
-    return torch.tensor([start] + [start + s for s in itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
-
-
-def _context_inputs(seed, h, hkv, d, dv, query_lens, key_lens, row0, tail, dtype):
-    gen = torch.Generator().manual_seed(seed)
-    t, tk = row0 + sum(query_lens) + tail, sum(key_lens)
-    q = torch.randn(t, h, d, generator=gen).to("cuda", dtype)
-    k = torch.randn(tk, hkv, d, generator=gen).to("cuda", dtype)
-    v = (torch.randn(tk, hkv, dv, generator=gen) * torch.exp(torch.randn(tk, hkv, 1, generator=gen))).to("cuda", dtype)
-    return q, k, v, _cumulative(query_lens, row0), _cumulative(key_lens)
-
-
-def _reference_with_lse(q, k, v, cu, cu_k, causal, scale):
-    """float64 attention over each sequence's full keys, causal bottom-right: ``(out, lse)``,
-    rows outside the sequences 0 / -inf."""
-    t, h, _ = q.shape
-    group = h // k.shape[1]
-    out = torch.zeros(t, h, v.shape[2], dtype=torch.float64, device=q.device)
-    lse = torch.full((t, h), float("-inf"), dtype=torch.float64, device=q.device)
-    bounds, bounds_k = cu.tolist(), cu_k.tolist()
-    for a, b, ka, kb in zip(bounds[:-1], bounds[1:], bounds_k[:-1], bounds_k[1:]):
-        ks = k[ka:kb].double().repeat_interleave(group, 1)
-        vs = v[ka:kb].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), ks) * scale
-        if causal:
-            visible = torch.ones(b - a, kb - ka, dtype=torch.bool, device=q.device).tril((kb - ka) - (b - a))
-            scores = scores.masked_fill(~visible, float("-inf"))
-        row_lse = torch.logsumexp(scores, -1)
-        p = torch.exp(scores - torch.where(row_lse.isneginf(), 0.0, row_lse)[..., None])
-        out[a:b] = torch.einsum("hqk,khd->qhd", p, vs)
-        lse[a:b] = row_lse.t()
-    return out, lse
+def _context_inputs(case: ContextCase, heads, dtype):
+    """``heads = (H, Hkv, D, Dv)``; values spread over a few orders of magnitude."""
+    return context_inputs(case, heads, dtype, "cuda", spread_v=True)
 
 
 @gpu
@@ -292,13 +239,13 @@ def test_fused_bytes_with_context_equal_quantize_of_fa4_output(heads, dtype):
     rows before and after keep their poison, the scale padding is zero."""
     name, h, hkv, d, dv = heads
     seed = fresh_seed()
-    query_lens, key_lens, row0, tail = _context_lengths(seed, True)
-    q, k, v, cu, cu_k = _context_inputs(seed, h, hkv, d, dv, query_lens, key_lens, row0, tail, dtype)
-    where = f"{name}: seed {seed}, Lq {query_lens}, Lk {key_lens}, row0 {row0}, tail {tail}"
+    case = context_case(seed, True, CONTEXT_LIMITS)
+    q, k, v, cu, cu_k = _context_inputs(case, heads[1:], dtype)
+    where = f"{name}: {case}"
     scale = d ** -0.5
-    t, a, e = q.shape[0], row0, q.shape[0] - tail
-    ctx = dict(cu_seqlens_k=cu_k, max_seqlen_k=max(key_lens))
-    ref = kernels.fa4_attention_varlen(q, k, v, cu, max(query_lens), causal=True, softmax_scale=scale, **ctx)
+    t, a, e = q.shape[0], case.row0, q.shape[0] - case.tail
+    ctx = dict(cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens))
+    ref = kernels.fa4_attention_varlen(q, k, v, cu, max(case.query_lens), causal=True, softmax_scale=scale, **ctx)
     ref = ref[a:e].reshape(e - a, h * dv)
     gs = torch.tensor([448 * 6 / max(ref.float().abs().max().item(), 1e-6)], dtype=torch.float32, device="cuda")
     want_packed, want_scales = nvfp4.quantize_reference(ref.cpu(), gs.cpu(), swizzled=False)
@@ -308,7 +255,7 @@ def test_fused_bytes_with_context_equal_quantize_of_fa4_output(heads, dtype):
         packed = torch.full((t, h * dv // 2), poison_out, dtype=torch.uint8, device="cuda")
         scales = torch.full((rows, cols), poison_scale, dtype=torch.uint8, device="cuda")
         kernels.fa4_attention_nvfp4_varlen(
-            q, k, v, cu_seqlens=cu, max_seqlen=max(query_lens), softmax_scale=scale, causal=True,
+            q, k, v, cu_seqlens=cu, max_seqlen=max(case.query_lens), softmax_scale=scale, causal=True,
             output=packed, output_scale=gs, output_block_scale=scales.view(torch.float8_e4m3fn), **ctx,
         )
         torch.cuda.synchronize()
@@ -335,17 +282,17 @@ def test_fa4_output_and_lse_with_context_against_float64(heads, causal):
     row sees no key (non-causal sequences without keys)."""
     name, h, hkv, d, dv = heads
     seed = fresh_seed()
-    query_lens, key_lens, row0, tail = _context_lengths(seed, causal)
+    case = context_case(seed, causal, CONTEXT_LIMITS)
     dtype = (torch.bfloat16, torch.float16)[seed % 2]
-    q, k, v, cu, cu_k = _context_inputs(seed, h, hkv, d, dv, query_lens, key_lens, row0, tail, dtype)
-    where = f"{name}: seed {seed}, Lq {query_lens}, Lk {key_lens}, row0 {row0}"
+    q, k, v, cu, cu_k = _context_inputs(case, heads[1:], dtype)
+    where = f"{name}: {case}"
     scale = d ** -0.5
-    rows = slice(row0, q.shape[0] - tail)
-    out, lse = kernels.fa4_attention_varlen(q, k, v, cu, max(query_lens), causal=causal, softmax_scale=scale,
-                                            cu_seqlens_k=cu_k, max_seqlen_k=max(key_lens), return_lse=True)
+    rows = slice(case.row0, q.shape[0] - case.tail)
+    out, lse = kernels.fa4_attention_varlen(q, k, v, cu, max(case.query_lens), causal=causal, softmax_scale=scale,
+                                            cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens), return_lse=True)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert lse.shape == (q.shape[0], h) and lse.stride() == (1, q.shape[0]), "lse must be the [T, H] view of [H, T]"
-    ref, ref_lse = _reference_with_lse(q, k, v, cu, cu_k, causal, scale)
+    ref, ref_lse = reference_context_attention(q, k, v, cu, cu_k, causal, scale)
     rel = ((out[rows].double() - ref[rows]).norm() / ref[rows].norm()).item()
     assert rel < 1e-2, f"relative error {rel:.2e} ({where})"
     got, want = lse[rows].double(), ref_lse[rows]
@@ -362,15 +309,15 @@ def test_public_entry_points_take_fa4_with_context():
     ``backend="fa4"``: FA4's forward (float32 copy, LSE view) and the fused kernel's bytes equal to
     ``quantize_reference`` of FA4's output."""
     seed = fresh_seed()
-    query_lens, key_lens, _, _ = _context_lengths(seed, True, row0=False)
-    q, k, v, cu, cu_k = _context_inputs(seed, 32, 8, 128, 128, query_lens, key_lens, 0, 0, torch.bfloat16)
-    where = f"seed {seed}, Lq {query_lens}, Lk {key_lens}"
-    max_q, t = max(query_lens), q.shape[0]
+    case = context_case(seed, True, CONTEXT_LIMITS, row0=False)
+    q, k, v, cu, cu_k = _context_inputs(case, (32, 8, 128, 128), torch.bfloat16)
+    where = str(case)
+    max_q, t = max(case.query_lens), q.shape[0]
     want, want_lse = kernels.fa4_attention_varlen(q, k, v, cu, max_q, causal=True, softmax_scale=128**-0.5,
                                                   cu_seqlens_k=cu_k, return_lse=True)
     assert torch.equal(kernels.attention(q, k, v, cu, max_q, backend="fa4", cu_seqlens_k=cu_k), want), where
     out, lse = kernels.attention_with_lse(q, k, v, cu, max_q, backend="fa4", cu_seqlens_k=cu_k,
-                                          max_seqlen_k=max(key_lens))
+                                          max_seqlen_k=max(case.key_lens))
     assert out.dtype == torch.float32 and torch.equal(out, want.float()) and torch.equal(lse, want_lse), where
     gs = torch.tensor([100.0], device="cuda")
     packed, scales = kernels.attention_nvfp4(q, k, v, cu, max_q, gs, backend="fa4", cu_seqlens_k=cu_k)
@@ -383,8 +330,8 @@ def test_public_entry_points_take_fa4_with_context():
 def test_fused_call_with_context_does_not_synchronize():
     """The fused call reads no value back (``torch.cuda.set_sync_debug_mode("error")``), once compiled."""
     seed = fresh_seed()
-    query_lens, key_lens, row0, tail = _context_lengths(seed, True)
-    q, k, v, cu, cu_k = _context_inputs(seed, 16, 16, 192, 128, query_lens, key_lens, row0, tail, torch.bfloat16)
+    case = context_case(seed, True, CONTEXT_LIMITS)
+    q, k, v, cu, cu_k = _context_inputs(case, (16, 16, 192, 128), torch.bfloat16)
     t = q.shape[0]
     rows, cols = nvfp4.scale_shape(t, 16 * 128)
     bufs = dict(output=torch.empty(t, 16 * 64, dtype=torch.uint8, device="cuda"),
@@ -392,16 +339,10 @@ def test_fused_call_with_context_does_not_synchronize():
                 output_block_scale=torch.empty(rows, cols // 4, dtype=torch.int32, device="cuda"))
 
     def call():
-        kernels.fa4_attention_nvfp4_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max(query_lens), softmax_scale=0.1,
-                                           causal=True, cu_seqlens_k=cu_k, max_seqlen_k=max(key_lens), **bufs)
+        kernels.fa4_attention_nvfp4_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max(case.query_lens), softmax_scale=0.1,
+                                           causal=True, cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens), **bufs)
 
-    call()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    call_without_host_sync(call)
 
 
 # ---------------------------------------------------------------------------

@@ -10,11 +10,11 @@ the full sequences, output, log-sum-exp and NVFP4 bytes.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import random
-from dataclasses import dataclass
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +23,11 @@ import torch.nn.functional as F
 from fusion_pass import kernels, nvfp4
 from fusion_pass.kernels import flash_attention as fa
 from fusion_pass.kernels import nvfp4_quant
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import context_cases  # noqa: E402
+from context_cases import ContextCase, ContextLimits, spans  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -412,7 +417,11 @@ def test_attention_op_fuses_prefill_and_falls_back_byte_equal_on_decode():
 CONTEXT_HEADS = (
     [(16, 16, 192, 128), (8, 2, 128, 128)] if CUDA else [(2, 2, 192, 128), (4, 2, 128, 128)]
 )  # MLA prefill dims; GQA
-CONTEXT_MAX_QUERIES, CONTEXT_MAX_KEYS = (300, 2000) if CUDA else (20, 60)
+CONTEXT_LIMITS = (
+    ContextLimits(max_queries=300, max_context=1000, max_long_context=2000, max_row0=300, max_tail=3)
+    if CUDA
+    else ContextLimits(max_queries=20, max_context=30, max_long_context=60, max_row0=9, max_tail=3)
+)
 
 LSE_ATOL = 1e-3
 """Log-sum-exp against float64 (same half inputs): the kernel's scores are float32 dots whose
@@ -421,94 +430,22 @@ unit-normal inputs, where ``scale * sum_d |q_d k_d|`` is about 11), and ``|d lse
 plus the exp2/log2 rounding (a few 1e-7 relative, lse ~ 10). 1e-3 leaves a ~8x margin."""
 
 
-@dataclass(frozen=True)
-class ContextCase:
-    """Per sequence ``Lq`` new tokens attending to ``Lk`` keys (``Lk - Lq`` context tokens when
-    causal); queries at rows ``row0 + ...`` of a ``row0 + sum(Lq) + tail``-row q."""
-
-    seed: int
-    query_lens: tuple[int, ...]
-    key_lens: tuple[int, ...]
-    row0: int
-    tail: int
-
-    def __str__(self) -> str:
-        lengths = f"Lq {list(self.query_lens)}, Lk {list(self.key_lens)}"
-        return f"seed {self.seed}: {lengths}, row0 {self.row0}, tail {self.tail}"
-
-
 def context_case(seed: int, causal: bool, *, row0: bool = True) -> ContextCase:
-    """A batch holding, in random order: one query, no context (``Lk = Lq``), a long context
-    (``Lk >> Lq``), no queries (``Lq = 0``), random ones; non-causal also no keys (``Lk = 0``)
-    and fewer keys than queries."""
-    rng = random.Random(seed)
-    qmax, kmax = CONTEXT_MAX_QUERIES, CONTEXT_MAX_KEYS
-    kinds = ["single", "no_context", "long_context", "no_queries"] + ["random"] * rng.randint(0, 2)
-    if not causal:
-        kinds += ["no_keys", "short_keys"]
-    rng.shuffle(kinds)
-    query_lens, key_lens = [], []
-    for kind in kinds:
-        lq = rng.randint(2, qmax)
-        lk = lq + rng.randint(0, kmax // 2)
-        if kind == "single":
-            lq, lk = 1, 1 + rng.randint(0, kmax // 2)
-        elif kind == "no_context":
-            lk = lq
-        elif kind == "long_context":
-            lq = rng.randint(1, 3)
-            lk = lq + rng.randint(kmax // 2, kmax)
-        elif kind == "no_queries":
-            lq = 0
-        elif kind == "no_keys":
-            lk = 0
-        elif kind == "short_keys":
-            lk = rng.randint(1, lq - 1)
-        query_lens.append(lq)
-        key_lens.append(lk)
-    first_row = rng.randint(1, 300 if CUDA else 9) if row0 else 0
-    return ContextCase(seed, tuple(query_lens), tuple(key_lens), first_row, rng.randint(1, 3) if row0 else 0)
+    return context_cases.context_case(seed, causal, CONTEXT_LIMITS, row0=row0)
 
 
 def cumulative(lengths, start: int = 0) -> torch.Tensor:
-    return torch.tensor([start] + [start + s for s in itertools.accumulate(lengths)], dtype=torch.int32, device=DEVICE)
+    return context_cases.cumulative(lengths, start, device=DEVICE)
 
 
 def context_inputs(case: ContextCase, heads, dtype):
-    num_heads, num_kv_heads, dqk, dv = heads
-    gen = torch.Generator().manual_seed(case.seed)
-    t = case.row0 + sum(case.query_lens) + case.tail
-    tk = sum(case.key_lens)
-    q = randn(gen, t, num_heads, dqk, dtype=dtype)
-    k = randn(gen, tk, num_kv_heads, dqk, dtype=dtype)
-    v = randn(gen, tk, num_kv_heads, dv, dtype=dtype)
-    return q, k, v, cumulative(case.query_lens, case.row0), cumulative(case.key_lens)
-
-
-def _spans(cu: torch.Tensor):
-    bounds = cu.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+    return context_cases.context_inputs(case, heads, dtype, DEVICE)
 
 
 def reference_context_attention(q, k, v, cu, cu_k, causal):
-    """float64 (on q's device) over each sequence's full keys, causal bottom-right (key ``j``
-    visible to query ``i`` iff ``j <= i + Lk - Lq``): ``(out [T, H, Dv], lse [T, H])`` on the CPU,
-    rows outside the sequences 0 / -inf."""
-    t, h, dqk = q.shape
-    group = h // k.shape[1]
-    out = torch.zeros(t, h, v.shape[2], dtype=torch.float64, device=q.device)
-    lse = torch.full((t, h), float("-inf"), dtype=torch.float64, device=q.device)
-    for (a, b), (ka, kb) in zip(_spans(cu), _spans(cu_k)):
-        ks = k[ka:kb].double().repeat_interleave(group, 1)
-        vs = v[ka:kb].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[a:b].double(), ks) / math.sqrt(dqk)
-        if causal:
-            visible = torch.ones(b - a, kb - ka, dtype=torch.bool, device=q.device).tril((kb - ka) - (b - a))
-            scores = scores.masked_fill(~visible, float("-inf"))
-        row_lse = torch.logsumexp(scores, -1)
-        p = torch.exp(scores - torch.where(row_lse.isneginf(), 0.0, row_lse)[..., None])
-        out[a:b] = torch.einsum("hqk,khd->qhd", p, vs)
-        lse[a:b] = row_lse.t()
+    """float64 attention over the full sequences (:func:`context_cases.reference_context_attention`,
+    computed on q's device): ``(out, lse)`` on the CPU."""
+    out, lse = context_cases.reference_context_attention(q, k, v, cu, cu_k, causal, 1 / math.sqrt(q.shape[2]))
     return out.cpu(), lse.cpu()
 
 
@@ -516,7 +453,7 @@ def eager_half_context_attention(q, k, v, cu, cu_k):
     """What an eager model computes: causal (bottom-right) SDPA in the input dtype, per sequence."""
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
     group = q.shape[1] // k.shape[1]
-    for (a, b), (ka, kb) in zip(_spans(cu), _spans(cu_k)):
+    for (a, b), (ka, kb) in zip(spans(cu), spans(cu_k)):
         if b > a:
             visible = torch.ones(b - a, kb - ka, dtype=torch.bool, device=q.device).tril((kb - ka) - (b - a))
             qs = q[a:b].transpose(0, 1)
@@ -807,10 +744,4 @@ def test_fused_call_with_cu_seqlens_k_does_not_synchronize():
             cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens), **bufs,
         )
 
-    call()  # compiles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    context_cases.call_without_host_sync(call)  # the first call compiles

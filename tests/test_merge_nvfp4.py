@@ -42,7 +42,9 @@ import dataclasses
 import math
 import os
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,12 +54,15 @@ from fusion_pass.dense import merge_attention
 from fusion_pass.kernels import merge_nvfp4
 from fusion_pass.kernels.merge_nvfp4 import merge_attention_nvfp4
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from row_buffers import POISON, expected, poisoned, row_of_scale_byte, scale_bytes  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 TRITON = CUDA or kernels.interpreter_enabled()
 FP8 = torch.float8_e4m3fn
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-POISON = 0xAB
 RATE = 1e-4
 NEG_INF = float("-inf")
 
@@ -207,27 +212,6 @@ def make_inputs(case: Case, seed: int) -> Inputs:
 # ---------------------------------------------------------------------------
 
 
-def poisoned(t: int, k: int, scale_dtype, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
-    """``packed`` uint8 ``[T, K/2]`` and the swizzled scale buffer of ``T`` rows as ``scale_dtype``, all 0xAB."""
-    rows, cols = nvfp4.scale_shape(t, k)
-    packed = torch.full((t, k // 2), POISON, dtype=torch.uint8, device=device)
-    scales = torch.full((rows, cols), POISON, dtype=torch.uint8, device=device).view(scale_dtype)
-    return packed, scales
-
-
-def scale_bytes(scales: torch.Tensor) -> torch.Tensor:
-    return scales.view(torch.uint8).flatten().cpu()
-
-
-def row_of_scale_byte(t: int, k: int) -> torch.Tensor:
-    """The row that owns each byte of the swizzled buffer of ``T`` rows (padding rows included)."""
-    rows, cols = nvfp4.scale_shape(t, k)
-    r, c = torch.arange(rows)[:, None].expand(rows, cols), torch.arange(cols)[None, :].expand(rows, cols)
-    owner = torch.empty(rows * cols, dtype=torch.long)
-    owner[nvfp4.swizzled_offset(r, c, k // 16).flatten()] = r.flatten()
-    return owner
-
-
 def whole_buffer_bytes(case: Case, merged: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Expected buffers: the reference quantizer's bytes of a ``[T, K]`` matrix holding ``merged``
     in the merged rows, poison in every byte of the other rows (padding rows included)."""
@@ -235,10 +219,7 @@ def whole_buffer_bytes(case: Case, merged: torch.Tensor, gs: torch.Tensor) -> tu
     owned = torch.zeros(nvfp4.round_up(case.t, 128), dtype=torch.bool)
     x[case.row_start : case.row_start + case.m] = merged
     owned[case.row_start : case.row_start + case.m] = True
-    packed, scales = nvfp4.quantize_reference(x, gs.cpu())
-    packed = torch.where(owned[: case.t, None], packed, POISON)
-    scales = torch.where(owned[row_of_scale_byte(case.t, case.k)], scale_bytes(scales), POISON)
-    return packed, scales
+    return expected(case.t, case.k, *nvfp4.quantize_reference(x, gs.cpu()), owned)
 
 
 def assert_others_poisoned(case: Case, packed: torch.Tensor, scales: torch.Tensor, what: str) -> None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import itertools
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,11 +25,14 @@ import torch
 from fusion_pass import kernels, nvfp4
 from fusion_pass.kernels import nvfp4_quant
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from row_buffers import POISON, expected, poisoned, row_of_scale_byte, scale_bytes  # noqa: E402
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 TRITON = CUDA or kernels.interpreter_enabled()
 FP8 = torch.float8_e4m3fn
-POISON = 0xAB
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 SCALE_DTYPES = [torch.int32, torch.uint8, FP8]
 KS = [16, 32, 48, 64, 256]
@@ -152,35 +157,6 @@ def make_input(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 # ---------------------------------------------------------------------------
 # buffers and the bytes expected in them
 # ---------------------------------------------------------------------------
-
-
-def poisoned(t: int, k: int, scale_dtype, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
-    """``packed`` uint8 ``[T, K/2]`` and the swizzled scale buffer of ``T`` rows as ``scale_dtype``
-    (int32 ``[Rp, C/4]``, uint8 / fp8 ``[Rp, C]``), every byte 0xAB."""
-    rows, cols = nvfp4.scale_shape(t, k)
-    packed = torch.full((t, k // 2), POISON, dtype=torch.uint8, device=device)
-    scales = torch.full((rows, cols), POISON, dtype=torch.uint8, device=device).view(scale_dtype)
-    return packed, scales
-
-
-def scale_bytes(scales: torch.Tensor) -> torch.Tensor:
-    return scales.view(torch.uint8).flatten().cpu()
-
-
-def row_of_scale_byte(t: int, k: int) -> torch.Tensor:
-    """The row each byte of the swizzled buffer belongs to (own inversion of NVFP4.md's formula)."""
-    rows, cols = nvfp4.scale_shape(t, k)
-    offset = torch.arange(rows * cols)
-    within = offset % 512
-    band = offset // 512 // (cols // 4)
-    return band * 128 + ((within % 16) // 4) * 32 + within // 16
-
-
-def expected(t, k, want_packed, want_scales, owned) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole-buffer bytes in the rows marked in ``owned`` (bool ``[round_up(T, 128)]``), poison elsewhere."""
-    packed = torch.where(owned[:t, None], want_packed.cpu(), POISON)
-    scales = torch.where(owned[row_of_scale_byte(t, k)], scale_bytes(want_scales), POISON)
-    return packed, scales
 
 
 def assert_bytes(case, packed, scales, want_packed, want_scales, what: str) -> None:

@@ -173,9 +173,9 @@ def _check_causal(fn: str, causal) -> None:
         raise ValueError(f"{fn}: causal must be a bool, got {causal!r}")
 
 
-def _check_backend_name(fn: str, backend) -> None:
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"{fn}: backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+def _check_backend_name(fn: str, backend, names: tuple[str, ...] = ATTENTION_BACKENDS) -> None:
+    if backend not in names:
+        raise ValueError(f"{fn}: backend must be one of {', '.join(names)}, got {backend!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -191,6 +191,20 @@ def _triton_usable(device: torch.device) -> tuple[bool, str]:
     if device.type == "cuda" or interpreter_enabled():
         return True, "ok"
     return False, f"triton runs on CUDA tensors (or on the CPU with TRITON_INTERPRET=1), got {device} tensors"
+
+
+def _triton_or_reference(fn: str, backend: str, device: torch.device, *, fits: bool = True) -> str:
+    """The backend of a ``triton``/``reference`` call: ``auto`` is ``triton`` for CUDA tensors when
+    Triton imports and the call ``fits`` its kernel, else ``reference``; a named ``triton`` raises
+    (RuntimeError) when Triton cannot run on ``device``. Whether a named ``triton`` fits is the
+    caller's to check."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and fits and _triton_usable(device)[0] else "reference"
+    if backend == "triton":
+        ok, why = _triton_usable(device)
+        if not ok:
+            raise RuntimeError(f"{fn}: backend 'triton' is unavailable: {why}")
+    return backend
 
 
 def _fa4_usable(q: Tensor, v: Tensor) -> tuple[bool, str]:
@@ -462,16 +476,9 @@ def quantize_rows_into(
     ``reference`` (plain PyTorch, any device).
     """
     fn = "quantize_rows_into"
-    if backend not in QUANT_BACKENDS:
-        raise ValueError(f"{fn}: backend must be one of {', '.join(QUANT_BACKENDS)}, got {backend!r}")
+    _check_backend_name(fn, backend, QUANT_BACKENDS)
     nvfp4._check_rows_into(fn, x, global_scale, packed, scales, row_start)
-    if backend == "auto":
-        backend = "triton" if x.device.type == "cuda" and _triton_usable(x.device)[0] else "reference"
-    elif backend == "triton":
-        ok, why = _triton_usable(x.device)
-        if not ok:
-            raise RuntimeError(f"{fn}: backend 'triton' is unavailable: {why}")
-    if backend == "triton":
+    if _triton_or_reference(fn, backend, x.device) == "triton":
         from fusion_pass.kernels.nvfp4_quant import quantize_rows_into as triton_quantize_rows_into
 
         triton_quantize_rows_into(x, global_scale, packed, scales, row_start)

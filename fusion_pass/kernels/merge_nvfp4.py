@@ -63,8 +63,6 @@ path (no host synchronization). This module imports without Triton (the
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
 
@@ -95,8 +93,7 @@ quantizer's 16x512 tile took 0.400 ms."""
 # ---------------------------------------------------------------------------
 
 if triton is not None:
-    from fusion_pass.kernels.nvfp4_quant import _load_pairs
-    from fusion_pass.kernels.nvfp4_tl import quantize_pairs, swizzled_scale_offset
+    from fusion_pass.kernels.nvfp4_tl import load_pairs, quantize_pairs, swizzled_scale_offset
 
     @triton.jit
     def _merge_weights(lse_a, lse_b):
@@ -162,11 +159,11 @@ if triton is not None:
         lse_a = tl.load(lse_a_ptr + rows64 * lse_stride_am + heads * lse_stride_ah, mask=in_data, other=float("-inf"))
         lse_b = tl.load(lse_b_ptr + rows64 * lse_stride_bm + heads * lse_stride_bh, mask=in_data, other=float("-inf"))
         w_a, w_b, inv_total = _merge_weights(lse_a, lse_b)
-        a_even, a_odd = _load_pairs(
+        a_even, a_odd = load_pairs(
             out_a_ptr, ((rows64 * stride_am + heads * stride_ah) * STRIDE_UNIT)[:, None] + pairs,
             (in_data & (lse_a != float("-inf")))[:, None],
         )
-        b_even, b_odd = _load_pairs(
+        b_even, b_odd = load_pairs(
             out_b_ptr, ((rows64 * stride_bm + heads * stride_bh) * STRIDE_UNIT)[:, None] + pairs,
             (in_data & (lse_b != float("-inf")))[:, None],
         )
@@ -297,46 +294,18 @@ def _check_lses(fn: str, lse_a, lse_b, out_a: Tensor) -> None:
 
 def _check_destination(fn: str, packed, scales, row_start, out_a: Tensor) -> None:
     m, h, dv = out_a.shape
-    k = h * dv
-    nvfp4._check_tensor(fn, "packed", packed)
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] != k // 2:
-        raise ValueError(
-            f"{fn}: packed must be a uint8 tensor [T, H*Dv/2] = [T, {k // 2}] for out_a's H*Dv={k} "
-            f"(got {packed.dtype} {list(packed.shape)})"
-        )
-    if not packed.is_contiguous():
-        raise ValueError(f"{fn}: packed must be contiguous (got strides {list(packed.stride())})")
-    if packed.device != out_a.device:
-        raise ValueError(f"{fn}: packed must be on out_a's device {out_a.device} (got {packed.device})")
-    t = packed.shape[0]
-    nvfp4._check_swizzled_buffer(fn, scales, t, k)
-    if scales.device != out_a.device:
-        raise ValueError(f"{fn}: scales must be on out_a's device {out_a.device} (got {scales.device})")
-    if not isinstance(row_start, numbers.Integral) or isinstance(row_start, bool):
-        raise TypeError(f"{fn}: row_start must be an int (got {type(row_start).__name__} {row_start!r})")
-    if row_start < 0:
-        raise ValueError(f"{fn}: row_start must be >= 0 (got {row_start})")
-    if row_start + m > t:
-        raise ValueError(
-            f"{fn}: row_start + M = {row_start} + {m} = {row_start + m} exceeds T = {t}, the rows of packed"
-        )
+    nvfp4._check_row_range(fn, packed, scales, row_start, m, h * dv, out_a.device, source="out_a", width="H*Dv")
 
 
 def _choose(fn: str, backend, out_a: Tensor) -> str:
     """The backend that runs this call; raises with the reason when the named one cannot."""
-    from fusion_pass.kernels import _triton_usable  # the package imports this module
+    from fusion_pass.kernels import _triton_or_reference  # the package imports this module
 
     dv_ok = out_a.shape[2] % nvfp4.BLOCK_SIZE == 0
-    if backend == "auto":
-        cuda = out_a.device.type == "cuda"
-        return "triton" if cuda and dv_ok and _triton_usable(out_a.device)[0] else "reference"
-    if backend == "triton":
-        ok, why = _triton_usable(out_a.device)
-        if not ok:
-            raise RuntimeError(f"{fn}: backend 'triton' is unavailable: {why}")
-        if not dv_ok:
-            raise ValueError(f"{fn}: backend 'triton' needs Dv divisible by 16, got out_a {list(out_a.shape)}")
-    return backend
+    chosen = _triton_or_reference(fn, backend, out_a.device, fits=dv_ok)
+    if chosen == "triton" and not dv_ok:
+        raise ValueError(f"{fn}: backend 'triton' needs Dv divisible by 16, got out_a {list(out_a.shape)}")
+    return chosen
 
 
 # ---------------------------------------------------------------------------
@@ -385,9 +354,10 @@ def merge_attention_nvfp4(
         RuntimeError: ``backend="triton"`` without Triton, or on CPU tensors outside
             Triton's interpreter.
     """
+    from fusion_pass.kernels import _check_backend_name  # the package imports this module
+
     fn = "merge_attention_nvfp4"
-    if backend not in MERGE_BACKENDS:
-        raise ValueError(f"{fn}: backend must be one of {', '.join(MERGE_BACKENDS)}, got {backend!r}")
+    _check_backend_name(fn, backend, MERGE_BACKENDS)
     _check_outs(fn, out_a, out_b)
     _check_lses(fn, lse_a, lse_b, out_a)
     nvfp4._check_global_scale(fn, global_scale, out_a.device)

@@ -24,31 +24,12 @@ import triton
 import triton.language as tl
 
 from fusion_pass import nvfp4
-from fusion_pass.kernels.nvfp4_tl import quantize_pairs, swizzled_scale_offset
+from fusion_pass.kernels.nvfp4_tl import load_pairs, quantize_pairs, swizzled_scale_offset
 
 __all__ = ["quantize", "quantize_rows_into", "QUANT_CONFIG"]
 
 QUANT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 4}
 """Tile of one program (rows x columns) and its warps; chosen on the H200 (docs/benchmarks.md)."""
-
-
-@triton.jit
-def _load_pairs(x_ptr, pair_offsets, mask):
-    """Elements ``2p`` and ``2p + 1`` of ``x`` for pair offsets ``p``, as float32.
-
-    Each pair is read as one word (4 bytes for 16-bit inputs, 8 for float32), so a
-    thread holds both elements of a packed byte without reshaping the tile.
-    """
-    dtype: tl.constexpr = x_ptr.dtype.element_ty
-    if dtype == tl.float32:
-        words = tl.load(x_ptr.to(tl.pointer_type(tl.uint64)) + pair_offsets, mask=mask, other=0)
-        even = (words & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        odd = (words >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-    else:
-        words = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + pair_offsets, mask=mask, other=0)
-        even = (words & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True).to(tl.float32)
-        odd = (words >> 16).to(tl.uint16).to(dtype, bitcast=True).to(tl.float32)
-    return even, odd
 
 
 @triton.jit
@@ -80,7 +61,7 @@ def _nvfp4_quant_kernel(
     pair_cols = block_cols[:, None] * 8 + tl.arange(0, 8)[None, :]
     in_x = (rows < M) & (block_cols < K // 16)
     rows64 = rows.to(tl.int64)
-    even, odd = _load_pairs(x_ptr, rows64[:, None] * (stride_xm // 2) + pair_cols, in_x[:, None])
+    even, odd = load_pairs(x_ptr, rows64[:, None] * (stride_xm // 2) + pair_cols, in_x[:, None])
 
     packed, sf = quantize_pairs(even, odd, tl.load(global_scale_ptr))
 

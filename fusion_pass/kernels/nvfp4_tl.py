@@ -1,4 +1,4 @@
-"""NVFP4 building blocks in Triton, shared by the quantizer and the attention epilogue.
+"""NVFP4 building blocks in Triton, shared by the quantizer, the attention epilogue and the merge.
 
 Hopper has no FP4 instructions: the e4m3 block scale, the e2m1 rounding and the
 packing are ordinary float/integer operations here. The arithmetic is the
@@ -69,6 +69,25 @@ def e2m1_codes(q):
     large = ((a_bits + 0x1FFFFF + ((a_bits >> 22) & 1)) >> 22) - 252
     index = tl.where(a < 1.0, small.to(tl.uint32), large)
     return index | ((bits >> 31) << 3)
+
+
+@triton.jit
+def load_pairs(x_ptr, pair_offsets, mask):
+    """Elements ``2p`` and ``2p + 1`` of ``x`` for pair offsets ``p``, as float32.
+
+    Each pair is read as one word (4 bytes for 16-bit inputs, 8 for float32), so a
+    thread holds both elements of a packed byte without reshaping the tile.
+    """
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    if dtype == tl.float32:
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.uint64)) + pair_offsets, mask=mask, other=0)
+        even = (words & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        odd = (words >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    else:
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + pair_offsets, mask=mask, other=0)
+        even = (words & 0xFFFF).to(tl.uint16).to(dtype, bitcast=True).to(tl.float32)
+        odd = (words >> 16).to(tl.uint16).to(dtype, bitcast=True).to(tl.float32)
+    return even, odd
 
 
 @triton.jit
