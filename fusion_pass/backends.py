@@ -260,6 +260,8 @@ def prefill_qkv_and_context(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor
         k_all, v_all = impl._cache.extend(req, (k[start:end], v[start:end]))
         k_ctx.append(k_all[: req.context_len])
         v_ctx.append(v_all[: req.context_len])
+    # the kernels take one dtype and unit stride along the head dim; the runtime accepts any float inputs
+    q, k, v = (x.to(q.dtype).contiguous() if x.dtype != q.dtype or x.stride(-1) != 1 else x for x in (q, k, v))
     return q, k, v, torch.cat(k_ctx).to(q.dtype), torch.cat(v_ctx).to(q.dtype)
 
 
@@ -389,17 +391,16 @@ def _interleave(context: Tensor, new: Tensor, context_lens: list[int], query_len
     return torch.cat(pieces)
 
 
-def _context_chunks(context: Tensor, context_lens: list[int], width: int):
-    """``(rows, lengths)`` per chunk: chunk ``i`` holds positions ``[i*width, (i+1)*width)`` of each
-    request's context (empty for requests whose context is shorter)."""
+def _context_chunks(context_lens: list[int], width: int):
+    """``(lo, hi, lengths)`` per chunk of the packed context rows: chunk ``j`` is rows ``[j*width, (j+1)*width)``
+    of ``k_context`` (a slice), ``lengths`` how many of them each request has (0 for most requests of a
+    chunk). ``ceil(sum(context_lens) / width)`` chunks, each at most ``width`` keys."""
     starts = [0]
     for n in context_lens:
         starts.append(starts[-1] + n)
-    for lo in range(0, max(context_lens), width):
-        lengths = [max(0, min(n, lo + width) - lo) for n in context_lens]
-        index = torch.cat([torch.arange(s + lo, s + lo + n, device=context.device)
-                           for s, n in zip(starts, lengths)])
-        yield index, lengths
+    for lo in range(0, starts[-1], width):
+        hi = min(lo + width, starts[-1])
+        yield lo, hi, [max(0, min(b, hi) - max(a, lo)) for a, b in zip(starts[:-1], starts[1:])]
 
 
 def run_prefills(backend: "Backend", q: Tensor, k: Tensor, v: Tensor, *, first_row: int, query_lens: list[int],
@@ -422,6 +423,7 @@ def run_prefills(backend: "Backend", q: Tensor, k: Tensor, v: Tensor, *, first_r
     written by anyone else go in after this call all the same (a backend's entry point may zero more).
     """
     total_context = sum(context_lens)
+    _check_tokens("run_prefills(workspace_tokens)", workspace_tokens)
     bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
     cu_q = _cu(query_lens, q.device, first_row)
     max_q = max(query_lens)
@@ -438,10 +440,9 @@ def run_prefills(backend: "Backend", q: Tensor, k: Tensor, v: Tensor, *, first_r
         return
     q_p, k_p, v_p = q[rows], k[rows], v[rows]
     cu_p = _cu(query_lens, q.device)
-    width = max(1, bound // sum(1 for n in context_lens if n))
     acc = None
-    for index, lengths in _context_chunks(k_context, context_lens, width):
-        part = backend.attention_lse(q_p, k_context[index], v_context[index], cu_p, max_q,
+    for lo, hi, lengths in _context_chunks(context_lens, bound):
+        part = backend.attention_lse(q_p, k_context[lo:hi], v_context[lo:hi], cu_p, max_q,
                                      _cu(lengths, q.device), max(lengths), softmax_scale, False)
         acc = part if acc is None else merge_attention(acc[0], acc[1], part[0], part[1])
     new = backend.attention_lse(q_p, k_p, v_p, cu_p, max_q, cu_p, max_q, softmax_scale, True)
@@ -464,7 +465,7 @@ def run_on_prefill(backend: "Backend", impl: Any, inputs: tuple, spec: Any,
     kernel's values for them are discarded), computed by the layer's float32 runtime, rounded to the query
     dtype and written by the row-range quantizer, which touches no other row.
     """
-    q = inputs[0]
+    q = inputs[0] if inputs[0].stride(-1) == 1 else inputs[0].contiguous()  # the kernels' layout
     t, d = spec.num_tokens, spec.num_decode_tokens
     fused = [r for r in spec.requests if fuses(backend, r)]
     exact = [r for r in spec.requests if not fuses(backend, r)]

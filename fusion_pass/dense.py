@@ -87,8 +87,10 @@ def merge_attention(
         lse_a, lse_b: ``[T, H]`` their log-sum-exps (``-inf`` = no key seen).
 
     Returns:
-        ``(out, lse)`` float32 ``[T, H, Dv]``, ``[T, H]``.  Rows where both
-        parts are empty stay ``out = 0``, ``lse = -inf``.
+        ``(out, lse)`` float32 ``[T, H, Dv]``, ``[T, H]``.  A part with
+        ``lse = -inf`` contributes nothing, whatever its ``out`` holds (NaN
+        included); rows where both parts are empty are ``out = 0``,
+        ``lse = -inf``.
     """
     if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:2] != lse_a.shape:
         raise ValueError(
@@ -104,5 +106,7 @@ def merge_attention(
     lse = m + torch.log(total)
     # Both weights are 0 only where both parts saw nothing; divide by 1 there.
     denom = torch.where(total > 0, total, 1.0).unsqueeze(-1)
-    out = (out_a.float() * w_a.unsqueeze(-1) + out_b.float() * w_b.unsqueeze(-1)) / denom
+    part_a = torch.where(torch.isneginf(lse_a).unsqueeze(-1), 0.0, out_a.float())
+    part_b = torch.where(torch.isneginf(lse_b).unsqueeze(-1), 0.0, out_b.float())
+    out = (part_a * w_a.unsqueeze(-1) + part_b * w_b.unsqueeze(-1)) / denom
     return out, lse

@@ -234,3 +234,128 @@ def test_context_workspace_bound_is_configurable_and_checked(monkeypatch):
         with pytest.raises(ValueError, match="tokens"):
             with backends.use_context_workspace_tokens(bad):
                 pass
+
+
+class _SpyBackend(KernelBackend):
+    """The reference kernels, recording the keys of every attention_lse call (the chunks beyond the bound)."""
+
+    def __init__(self):
+        super().__init__("reference")
+        self.chunk_keys = []
+
+    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
+        if not causal:
+            self.chunk_keys.append(k.shape[0])
+        return super().attention_lse(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale,
+                                     causal)
+
+
+@pytest.mark.parametrize("bound", [1, 2, 3, 7, 64])
+def test_beyond_the_bound_every_chunk_holds_at_most_bound_keys_and_there_are_as_few_as_can_be(bound):
+    """Chunks are slices of the packed context: ceil(total / bound) of them, each at most ``bound`` keys, also when
+    the bound is below the number of requests with context; the result equals the one-call path's within the
+    format's bound (both are float32 attention, quantized)."""
+    seed = random.SystemRandom().randrange(2**31)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    query_lens = [rng.randint(1, 9) for _ in range(rng.randint(2, 6))]
+    context_lens = [rng.choice([0, rng.randint(1, 40)]) for _ in query_lens]
+    context_lens[0] = max(context_lens[0], 1)
+    h, hk, d, dv = 4, 2, 32, 16
+    t = sum(query_lens) + 3  # three decode-like rows first, not written
+    q = torch.randn(t, h, d, generator=gen).to(DEVICE, torch.bfloat16)
+    k = torch.randn(t, hk, d, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn(t, hk, dv, generator=gen).to(DEVICE, torch.bfloat16)
+    c = sum(context_lens)
+    k_ctx = torch.randn(c, hk, d, generator=gen).to(DEVICE, torch.bfloat16)
+    v_ctx = torch.randn(c, hk, dv, generator=gen).to(DEVICE, torch.bfloat16)
+    gs = torch.tensor([448 * 6 / 4.0], device=DEVICE)
+    rows, cols = nvfp4.scale_shape(t, h * dv)
+    outs = []
+    for workspace in (bound, None):
+        spy = _SpyBackend()
+        packed = torch.full((t, h * dv // 2), 0xAB, dtype=torch.uint8, device=DEVICE)
+        scales = torch.full((rows, cols), 0xAB, dtype=torch.uint8, device=DEVICE)
+        backends.run_prefills(spy, q, k, v, first_row=3, query_lens=query_lens, context_lens=context_lens,
+                              k_context=k_ctx, v_context=v_ctx, softmax_scale=0.2, output=packed, output_scale=gs,
+                              output_block_scale=scales, workspace_tokens=workspace)
+        outs.append((packed, scales, spy.chunk_keys))
+    keys = outs[0][2]
+    where = f"seed {seed}, bound {bound}, query_lens {query_lens}, context_lens {context_lens}"
+    if c > bound:
+        assert len(keys) == -(-c // bound) and max(keys) <= bound and sum(keys) == c, f"{keys}: {where}"
+    else:
+        assert keys == [], where
+    assert outs[1][2] == [], "the default bound (65536) takes the one-call path"
+    assert bool((outs[0][0][:3] == 0xAB).all()), f"rows before first_row written: {where}"
+    got = nvfp4.dequantize(outs[0][0], outs[0][1].view(torch.float8_e4m3fn), gs, m=t)[3:]
+    want = nvfp4.dequantize(outs[1][0], outs[1][1].view(torch.float8_e4m3fn), gs, m=t)[3:]
+    assert bool(((got - want).abs() <= requantization_bound(want, gs)).all()), where
+
+
+def test_a_bad_workspace_bound_argument_is_refused_before_anything_runs():
+    q = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
+    for bad in (0, -5, 1.5):
+        with pytest.raises(ValueError, match=r"run_prefills\(workspace_tokens\)"):
+            backends.run_prefills(KernelBackend("reference"), q, q, q, first_row=0, query_lens=[4], context_lens=[0],
+                                  k_context=None, v_context=None, softmax_scale=0.2, output=None, output_scale=None,
+                                  output_block_scale=None, workspace_tokens=bad)
+
+
+def test_an_empty_part_of_a_merge_is_ignored_whatever_its_output_holds():
+    """A context chunk where a request has no key has lse -inf; a backend may leave anything in its output."""
+    gen = torch.Generator().manual_seed(0)
+    out_a, out_b = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    lse_a, lse_b = torch.randn(5, 2, generator=gen), torch.full((5, 2), float("-inf"))
+    garbage = torch.full_like(out_b, float("nan"))
+    from fusion_pass.dense import merge_attention
+
+    merged, lse = merge_attention(out_a, lse_a, garbage, lse_b)
+    assert torch.equal(merged, out_a) and torch.equal(lse, lse_a)
+    both, lse_both = merge_attention(garbage, lse_b, garbage, lse_b)
+    assert torch.equal(both, torch.zeros_like(both)) and bool(torch.isneginf(lse_both).all())
+
+
+@pytest.mark.parametrize("scale", [0, -0.2, float("nan"), float("inf"), True])
+def test_layers_refuse_a_softmax_scale_that_is_not_positive_and_finite(scale):
+    with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+        runtime.AttentionImpl(**GQA, softmax_scale=scale)
+    with pytest.raises(ValueError, match="softmax_scale must be a positive finite number"):
+        runtime.MLAAttentionImpl(**MLA, kv_b_proj_weight=torch.zeros(64, 32), softmax_scale=scale)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and not kernels.interpreter_enabled(),
+                    reason="no CUDA device and TRITON_INTERPRET is not set (conftest.py sets it on CPU-only machines)")
+def test_inputs_the_runtime_accepts_are_fused_too(monkeypatch):
+    """k/v in another float dtype than q, and q without unit stride along its head dim (a transposed view):
+    the unfused op computes them, so the fused path must as well (cast / made contiguous for the kernels)."""
+    gen = torch.Generator().manual_seed(3)
+    impl = runtime.AttentionImpl(**GQA, softmax_scale=0.17)
+    name = "test_chunked_prefill.dtypes"
+    runtime.register_layer(name, impl)
+    fake = KernelBackend("triton")
+    monkeypatch.setattr(backends, "select_backend", lambda *a, **k: (fake, "stand-in"))
+    monkeypatch.setattr(backends, "get_backend", lambda name: fake)
+    try:
+        spec = runtime.BatchSpec.from_lens([6, 9])
+        t, width = spec.num_tokens, GQA["num_heads"] * GQA["v_head_dim"]
+        q = torch.randn(t, GQA["head_dim"], GQA["num_heads"], generator=gen).to(DEVICE, torch.bfloat16).transpose(1, 2)
+        k = torch.randn(t, 2, GQA["head_dim"], generator=gen).to(DEVICE, torch.float16)
+        v = torch.randn(t, 2, GQA["v_head_dim"], generator=gen).to(DEVICE, torch.float16)
+        assert q.stride(-1) != 1
+        half = torch.empty(t, width, dtype=torch.bfloat16, device=DEVICE)
+        with runtime.batch(spec):
+            OPS.attention_with_output(q, k, v, half, name)
+        impl.clear_cache()
+        gs = torch.tensor([448 * 6 / float(half.float().abs().max())], device=DEVICE)
+        rows, cols = nvfp4.scale_shape(t, width)
+        packed = torch.empty(t, width // 2, dtype=torch.uint8, device=DEVICE)
+        scales = torch.empty(rows, cols, dtype=torch.uint8, device=DEVICE)
+        with runtime.batch(spec):
+            OPS.attention_with_output(q, k, v, packed, name, gs, scales)
+        assert guard.counters()["fused_by_backend"] == {fake.name: 1}
+        want = nvfp4.dequantize(*scaled_fp4_quant(half, gs), gs, m=t)
+        got = nvfp4.dequantize(packed, scales.view(torch.float8_e4m3fn), gs, m=t)
+        bound = requantization_bound(want, gs) + 2.0**-6 * float(v.float().abs().max())
+        assert bool(((got - want).abs() <= bound).all())
+    finally:
+        runtime.unregister_layer(name)

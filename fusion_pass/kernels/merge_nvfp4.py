@@ -39,7 +39,7 @@ Backends (``backend=``):
 
 ``reference``
     float32 PyTorch on any device: :func:`fusion_pass.dense.merge_attention` (the
-    outputs of ``-inf`` parts replaced by 0), then
+    outputs of ``-inf`` parts ignored), then
     :func:`fusion_pass.nvfp4.quantize_rows_into`; the contract's bytes. (torch's
     ``exp`` itself differs in the last bit between CPU and CUDA, so the reference's
     bytes on the two devices can differ in the same rare places as ``triton``'s.)
@@ -241,13 +241,11 @@ def merge_attention_nvfp4_launch(
 
 
 def _merge_reference(out_a, lse_a, out_b, lse_b, global_scale, packed, scales, row_start) -> None:
-    """float32 :func:`~fusion_pass.dense.merge_attention` (empty parts' outputs as 0),
+    """float32 :func:`~fusion_pass.dense.merge_attention` (empty parts ignored),
     then :func:`~fusion_pass.nvfp4.quantize_rows_into`'s body."""
     m, h, dv = out_a.shape
     if m == 0 or h * dv == 0:
         return
-    out_a = out_a.masked_fill(torch.isneginf(lse_a)[..., None], 0.0)
-    out_b = out_b.masked_fill(torch.isneginf(lse_b)[..., None], 0.0)
     merged, _ = merge_attention(out_a, lse_a, out_b, lse_b)
     nvfp4._write_rows(merged.reshape(m, h * dv), global_scale, packed, scales, row_start)
 

@@ -17,6 +17,7 @@ else they need comes from here:
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -294,6 +295,13 @@ def restore_kv_caches(snapshot: dict[str, dict]) -> None:
 # --------------------------------------------------------------------------
 # Per-request KV cache bookkeeping shared by the runtimes (private)
 # --------------------------------------------------------------------------
+
+
+def positive_softmax_scale(value) -> float:
+    """``value`` as a float when it is a positive finite number (a layer's ``softmax_scale``), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 class _RequestCache:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion_pass.runtime.context import BatchSpec, _RequestCache
+from fusion_pass.runtime.context import BatchSpec, _RequestCache, positive_softmax_scale
 from fusion_pass.dense import attention_with_lse, merge_attention
 
 __all__ = ["MLAAttentionImpl"]
@@ -74,7 +74,7 @@ class MLAAttentionImpl:
                 f"kv_lora_rank] = {list(expected)}, got {got}"
             )
         self.kv_b_proj_weight = kv_b_proj_weight
-        self.softmax_scale = float(softmax_scale)
+        self.softmax_scale = positive_softmax_scale(softmax_scale)
         self._cache = _RequestCache()
 
     # -- cache -------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fusion_pass.runtime.context import BatchSpec, _RequestCache
+from fusion_pass.runtime.context import BatchSpec, _RequestCache, positive_softmax_scale
 from fusion_pass.dense import attention_with_lse
 
 __all__ = ["AttentionImpl"]
@@ -53,7 +53,7 @@ class AttentionImpl:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.head_dim = _positive_int("head_dim", head_dim)
         self.v_head_dim = head_dim if v_head_dim is None else _positive_int("v_head_dim", v_head_dim)
-        self.softmax_scale = float(softmax_scale)
+        self.softmax_scale = positive_softmax_scale(softmax_scale)
         self._cache = _RequestCache()
 
     def clear_cache(self) -> None:
