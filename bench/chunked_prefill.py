@@ -97,8 +97,8 @@ def measure(case: Case, seed: int) -> dict:
 
     def prefills(bound):
         return lambda: backends.run_prefills(
-            fa4, q, k, v, first_row=0, query_lens=query_lens, context_lens=context_lens, k_context=k_ctx,
-            v_context=v_ctx, softmax_scale=scale, output=packed, output_scale=gs, output_block_scale=scales,
+            fa4, q, k, v, first_row=0, query_lens=query_lens, context_lens=context_lens,
+            context=lambda lo, hi: (k_ctx[lo:hi], v_ctx[lo:hi]), softmax_scale=scale, output=packed, output_scale=gs, output_block_scale=scales,
             workspace_tokens=bound)
 
     fused()

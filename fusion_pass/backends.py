@@ -94,6 +94,8 @@ __all__ = [
     "prefill_qkv_and_context",
     "varlen_meta",
     "run_prefills",
+    "ContextRows",
+    "packed_rows",
     "CONTEXT_WORKSPACE_ENV",
     "DEFAULT_CONTEXT_WORKSPACE_TOKENS",
     "context_workspace_tokens",
@@ -233,11 +235,11 @@ def prefill_qkv(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Te
     return prefill_qkv_and_context(impl, inputs, spec)[:3]
 
 
-def prefill_qkv_and_context(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def prefill_qkv_and_context(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Tensor, ContextRows]:
     """:func:`prefill_qkv` for a batch of prefills that may have cached context (no decode tokens), plus
-    their context: ``k_context [C, Hk, Dqk]``, ``v_context [C, Hk, Dv]`` (query dtype), the cached rows of
-    every request in the batch's order, ``C = sum(context_len)`` (MLA: the cached latents expanded
-    through ``kv_b_proj`` as the new tokens are). Appends the new tokens to the cache."""
+    their context as :data:`ContextRows` (the cached rows of every request in the batch's order; MLA: the
+    cached latents of the rows asked for, expanded through ``kv_b_proj`` as the new tokens are). Appends the
+    new tokens to the cache (the context source reads the entries as they were before)."""
     if spec.num_decode_tokens != 0:
         raise ValueError(f"prefill_qkv_and_context takes prefills only; got a {spec.kind!r} batch")
     locs = spec.query_start_loc()
@@ -246,23 +248,26 @@ def prefill_qkv_and_context(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor
         impl.check_inputs(q, kv_c_normed, k_pe, spec)  # side-effect free: before the cache changes
         k_pe = k_pe.reshape(spec.num_tokens, impl.qk_rope_head_dim)
         latent = torch.cat([kv_c_normed, k_pe], dim=-1)  # [T, L + rope], input dtype
-        context = [impl._cache.extend(req, (latent[start:end],))[0][: req.context_len]
-                   for req, start, end in zip(spec.requests, locs[:-1], locs[1:])]
+        cached = [impl._cache.extend(req, (latent[start:end],))[0][: req.context_len]
+                  for req, start, end in zip(spec.requests, locs[:-1], locs[1:])]
         w_uk, w_uv = impl._weights()
-        k, v = impl._expand(torch.cat([latent] + context), w_uk, w_uv)  # float32, one expansion
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        t = spec.num_tokens
-        return q, k[:t], v[:t], k[t:], v[t:]
+
+        def expand(rows: Tensor) -> tuple[Tensor, Tensor]:
+            k, v = impl._expand(rows, w_uk, w_uv)  # float32
+            return k.to(q.dtype), v.to(q.dtype)
+
+        k, v = expand(latent)
+        return q, k, v, lambda lo, hi: expand(packed_rows(cached, lo, hi))
     q, k, v = inputs
     impl.check_inputs(q, k, v, spec)  # side-effect free: before the cache changes
-    k_ctx, v_ctx = [k[:0]], [v[:0]]
+    k_ctx, v_ctx = [], []
     for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
         k_all, v_all = impl._cache.extend(req, (k[start:end], v[start:end]))
         k_ctx.append(k_all[: req.context_len])
         v_ctx.append(v_all[: req.context_len])
     # the kernels take one dtype and unit stride along the head dim; the runtime accepts any float inputs
     q, k, v = (x.to(q.dtype).contiguous() if x.dtype != q.dtype or x.stride(-1) != 1 else x for x in (q, k, v))
-    return q, k, v, torch.cat(k_ctx).to(q.dtype), torch.cat(v_ctx).to(q.dtype)
+    return q, k, v, lambda lo, hi: (packed_rows(k_ctx, lo, hi).to(q.dtype), packed_rows(v_ctx, lo, hi).to(q.dtype))
 
 
 def varlen_meta(spec: Any, device: torch.device, first_row: int = 0) -> tuple[Tensor, int]:
@@ -393,7 +398,7 @@ def _interleave(context: Tensor, new: Tensor, context_lens: list[int], query_len
 
 def _context_chunks(context_lens: list[int], width: int):
     """``(lo, hi, lengths)`` per chunk of the packed context rows: chunk ``j`` is rows ``[j*width, (j+1)*width)``
-    of ``k_context`` (a slice), ``lengths`` how many of them each request has (0 for most requests of a
+    of the packed context, ``lengths`` how many of them each request has (0 for most requests of a
     chunk). ``ceil(sum(context_lens) / width)`` chunks, each at most ``width`` keys."""
     starts = [0]
     for n in context_lens:
@@ -403,8 +408,27 @@ def _context_chunks(context_lens: list[int], width: int):
         yield lo, hi, [max(0, min(b, hi) - max(a, lo)) for a, b in zip(starts[:-1], starts[1:])]
 
 
+ContextRows = Callable[[int, int], "tuple[Tensor, Tensor]"]
+"""``rows(lo, hi) -> (k, v)``: rows ``[lo, hi)`` of the prefills' packed cached context as keys ``[hi - lo, Hk,
+Dqk]`` and values ``[hi - lo, Hk, Dv]`` in the query dtype, made on demand (MLA: the cached latents of those rows
+up-projected), so that at most one workspace's worth is ever materialized."""
+
+
+def packed_rows(pieces: list[Tensor], lo: int, hi: int) -> Tensor:
+    """Rows ``[lo, hi)`` of the concatenation of ``pieces`` (each ``[n_i, ...]``), without building it."""
+    out, start = [], 0
+    for piece in pieces:
+        end = start + piece.shape[0]
+        if end > lo and start < hi:
+            out.append(piece[max(lo, start) - start: min(hi, end) - start])
+        start = end
+    if not out:
+        return pieces[0][:0]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
 def run_prefills(backend: "Backend", q: Tensor, k: Tensor, v: Tensor, *, first_row: int, query_lens: list[int],
-                 context_lens: list[int], k_context: Tensor | None, v_context: Tensor | None, softmax_scale: float,
+                 context_lens: list[int], context: ContextRows | None, softmax_scale: float,
                  output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
                  workspace_tokens: int | None = None) -> None:
     """Fused NVFP4 attention of a run of prefills, some with cached context, written at their rows.
@@ -414,16 +438,24 @@ def run_prefills(backend: "Backend", q: Tensor, k: Tensor, v: Tensor, *, first_r
             in order; ``k [T, Hk, Dqk]`` / ``v [T, Hk, Dv]`` their new keys/values at the same rows (other rows
             are not read).
         query_lens, context_lens: per prefill (host ints), its new tokens and cached context tokens.
-        k_context, v_context: ``[sum(context_lens), Hk, D]``, the prefills' cached rows in order (None when
-            none has context).
+        context: the prefills' cached context, packed in request order (:data:`ContextRows`; None when no
+            prefill has context). Asked for all ``C = sum(context_lens)`` rows at once within the bound, for
+            at most ``bound`` rows at a time beyond it.
         output, output_scale, output_block_scale: the call's NVFP4 buffers (``T`` rows).
         workspace_tokens: the bound (default :func:`context_workspace_tokens`).
+
+    Within the bound: one fused call whose keys are, per request, its context then its new tokens (a
+    ``[C + sum(query_lens), Hk, D]`` workspace). Beyond it: ``ceil(C / bound)`` context chunks of at most
+    ``bound`` rows, each attended (non-causally) with its log-sum-exp and merged in float32, then the new
+    tokens (causally), merged into NVFP4 by the backend's merge kernel.
 
     Rows ``< first_row`` are not written; the scale padding (rows ``>= T``, padded columns) is zeroed. Rows
     written by anyone else go in after this call all the same (a backend's entry point may zero more).
     """
     total_context = sum(context_lens)
     _check_tokens("run_prefills(workspace_tokens)", workspace_tokens)
+    if total_context and context is None:
+        raise ValueError(f"run_prefills: context_lens sum to {total_context} cached tokens but context is None")
     bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
     cu_q = _cu(query_lens, q.device, first_row)
     max_q = max(query_lens)
@@ -432,6 +464,7 @@ def run_prefills(backend: "Backend", q: Tensor, k: Tensor, v: Tensor, *, first_r
         return
     rows = slice(first_row, first_row + sum(query_lens))
     if total_context <= bound:
+        k_context, v_context = context(0, total_context)
         k_ws = _interleave(k_context, k[rows], context_lens, query_lens)
         v_ws = _interleave(v_context, v[rows], context_lens, query_lens)
         key_lens = [a + b for a, b in zip(context_lens, query_lens)]
@@ -442,8 +475,9 @@ def run_prefills(backend: "Backend", q: Tensor, k: Tensor, v: Tensor, *, first_r
     cu_p = _cu(query_lens, q.device)
     acc = None
     for lo, hi, lengths in _context_chunks(context_lens, bound):
-        part = backend.attention_lse(q_p, k_context[lo:hi], v_context[lo:hi], cu_p, max_q,
-                                     _cu(lengths, q.device), max(lengths), softmax_scale, False)
+        k_chunk, v_chunk = context(lo, hi)
+        part = backend.attention_lse(q_p, k_chunk, v_chunk, cu_p, max_q, _cu(lengths, q.device), max(lengths),
+                                     softmax_scale, False)
         acc = part if acc is None else merge_attention(acc[0], acc[1], part[0], part[1])
     new = backend.attention_lse(q_p, k_p, v_p, cu_p, max_q, cu_p, max_q, softmax_scale, True)
     t = q.shape[0]
@@ -472,8 +506,7 @@ def run_on_prefill(backend: "Backend", impl: Any, inputs: tuple, spec: Any,
     prefills = spec.requests[spec.num_decodes:]
     # the common case, every prefill fused: their rows are [D, T), a view; else gathered
     fused_rows = slice(d, t) if len(fused) == len(prefills) else _rows(spec, fused, q.device)
-    _, k, v, k_ctx, v_ctx = prefill_qkv_and_context(impl, tuple(x[fused_rows] for x in inputs),
-                                                    _sub_batch(spec, fused))
+    _, k, v, context = prefill_qkv_and_context(impl, tuple(x[fused_rows] for x in inputs), _sub_batch(spec, fused))
     if k.shape[0] != t:  # the kernel reads rows at their global index: place them in T-row buffers
         k_all, v_all = k.new_zeros((t, *k.shape[1:])), v.new_zeros((t, *v.shape[1:]))
         k_all[fused_rows], v_all[fused_rows] = k, v
@@ -482,7 +515,7 @@ def run_on_prefill(backend: "Backend", impl: Any, inputs: tuple, spec: Any,
         out = impl.forward(*(x[_rows(spec, exact, q.device)] for x in inputs), _sub_batch(spec, exact)).to(q.dtype)
     run_prefills(backend, q, k, v, first_row=d, query_lens=[r.query_len for r in prefills],
                  context_lens=[r.context_len if fuses(backend, r) else 0 for r in prefills],
-                 k_context=k_ctx, v_context=v_ctx, softmax_scale=impl.softmax_scale,
+                 context=context, softmax_scale=impl.softmax_scale,
                  output=output, output_scale=output_scale, output_block_scale=output_block_scale)
     offset = 0
     for start, length in _runs(spec, exact):  # one row-range launch per run of adjacent rows (all decodes: one)

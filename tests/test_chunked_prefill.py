@@ -253,7 +253,8 @@ class _SpyBackend(KernelBackend):
 @pytest.mark.parametrize("bound", [1, 2, 3, 7, 64])
 def test_beyond_the_bound_every_chunk_holds_at_most_bound_keys_and_there_are_as_few_as_can_be(bound):
     """Chunks are slices of the packed context: ceil(total / bound) of them, each at most ``bound`` keys, also when
-    the bound is below the number of requests with context; the result equals the one-call path's within the
+    the bound is below the number of requests with context, and the context source is asked for each chunk's
+    rows only (at most one workspace is materialized); the result equals the one-call path's within the
     format's bound (both are float32 attention, quantized)."""
     seed = random.SystemRandom().randrange(2**31)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -270,21 +271,29 @@ def test_beyond_the_bound_every_chunk_holds_at_most_bound_keys_and_there_are_as_
     v_ctx = torch.randn(c, hk, dv, generator=gen).to(DEVICE, torch.bfloat16)
     gs = torch.tensor([448 * 6 / 4.0], device=DEVICE)
     rows, cols = nvfp4.scale_shape(t, h * dv)
-    outs = []
+    outs, asked = [], []
+
+    def context(lo, hi):  # what the caller materializes: at most one workspace at a time
+        asked.append(hi - lo)
+        return k_ctx[lo:hi], v_ctx[lo:hi]
+
     for workspace in (bound, None):
         spy = _SpyBackend()
         packed = torch.full((t, h * dv // 2), 0xAB, dtype=torch.uint8, device=DEVICE)
         scales = torch.full((rows, cols), 0xAB, dtype=torch.uint8, device=DEVICE)
         backends.run_prefills(spy, q, k, v, first_row=3, query_lens=query_lens, context_lens=context_lens,
-                              k_context=k_ctx, v_context=v_ctx, softmax_scale=0.2, output=packed, output_scale=gs,
+                              context=context, softmax_scale=0.2, output=packed, output_scale=gs,
                               output_block_scale=scales, workspace_tokens=workspace)
-        outs.append((packed, scales, spy.chunk_keys))
+        outs.append((packed, scales, spy.chunk_keys, asked[:]))
+        asked.clear()
     keys = outs[0][2]
     where = f"seed {seed}, bound {bound}, query_lens {query_lens}, context_lens {context_lens}"
     if c > bound:
         assert len(keys) == -(-c // bound) and max(keys) <= bound and sum(keys) == c, f"{keys}: {where}"
+        assert outs[0][3] == keys, f"context rows asked for {outs[0][3]}: {where}"
     else:
-        assert keys == [], where
+        assert keys == [] and outs[0][3] == [c], where
+    assert outs[1][3] == [c], "within the bound the context is asked for once, whole"
     assert outs[1][2] == [], "the default bound (65536) takes the one-call path"
     assert bool((outs[0][0][:3] == 0xAB).all()), f"rows before first_row written: {where}"
     got = nvfp4.dequantize(outs[0][0], outs[0][1].view(torch.float8_e4m3fn), gs, m=t)[3:]
@@ -297,7 +306,7 @@ def test_a_bad_workspace_bound_argument_is_refused_before_anything_runs():
     for bad in (0, -5, 1.5):
         with pytest.raises(ValueError, match=r"run_prefills\(workspace_tokens\)"):
             backends.run_prefills(KernelBackend("reference"), q, q, q, first_row=0, query_lens=[4], context_lens=[0],
-                                  k_context=None, v_context=None, softmax_scale=0.2, output=None, output_scale=None,
+                                  context=None, softmax_scale=0.2, output=None, output_scale=None,
                                   output_block_scale=None, workspace_tokens=bad)
 
 

@@ -118,12 +118,15 @@ def expected_prefill(layer, inputs, md, kv_cache):
     (0, [4], [48]),               # a prefix-cache hit
     (130, [6, 3], [17, 33]),      # decode rows spanning two tiles, the second shared with prefill rows
 ])
-def test_mla_rows_decode_exact_prefill_fused_with_context(decode, query_lens, context_lens):
+@pytest.mark.parametrize("workspace", [None, 7])  # the default bound (one call), and context chunks of 7 rows
+def test_mla_rows_decode_exact_prefill_fused_with_context(decode, query_lens, context_lens, workspace):
     layer = StandInMLA()
     inputs, md, kv_cache = batch(decode, query_lens, context_lens)
     n = md.num_actual_tokens
     packed, scales = buffers(n + 5)  # 5 padding rows past num_actual_tokens
-    attention._run_fused_mla(backends.get_backend("reference"), md, layer, kv_cache, inputs, packed, GS, scales)
+    with backends.use_context_workspace_tokens(workspace):
+        attention._run_fused_mla(backends.get_backend("reference"), md, layer, kv_cache, inputs, packed, GS,
+                                 scales)
     assert layer.forward_impl_rows == ([decode] if decode else [])
     decode_out = layer.decode_output(inputs[0][:decode])
     full = torch.cat([decode_out.float(), expected_prefill(layer, inputs, md, kv_cache)])
@@ -256,4 +259,6 @@ def test_fused_calls_run_inside_vllms_kv_connector_hooks(monkeypatch):
         attention._run(None, inputs, packed, "stand_in.attn", GS, scales, {}, None)
     finally:
         attention._with_kv_transfer.cache_clear()
-    assert events == ["wait stand_in.attn", "fused path reads the cache", "save stand_in.attn"]
+    # kv_b_proj runs for the new tokens and for the cached context: every such call between the two hooks
+    assert events[0] == "wait stand_in.attn" and events[-1] == "save stand_in.attn", events
+    assert len(events) > 2 and set(events[1:-1]) == {"fused path reads the cache"}, events

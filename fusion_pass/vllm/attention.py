@@ -296,56 +296,65 @@ def _mla_batch(md) -> tuple[int, list[int], list[int]]:
     return decode, query_lens, context_lens
 
 
-def _cached_latents(block_table, kv_cache, context_lens: list[int]):
-    """Positions ``[0, context_lens[i])`` of each prefill's paged latent cache, packed in request order:
-    ``[sum(context_lens), L + R]`` in the cache dtype.
+def _cached_latents(block_table, kv_cache, context_lens: list[int], lo: int, hi: int):
+    """Rows ``[lo, hi)`` of the prefills' cached latents packed in request order (position ``0 ..
+    context_lens[i]`` of each prefill's paged cache, one after the other): ``[hi - lo, L + R]`` in the cache
+    dtype.
 
     ``block_table``: int ``[num_prefills, max_blocks]`` (``MLACommonPrefillMetadata.block_table``, the
     prefills' rows); ``kv_cache``: ``[num_blocks, block_size, L + R]``, position ``p`` of request ``i`` at
     ``kv_cache[block_table[i, p // block_size], p % block_size]`` (as vLLM's context gathers read it).
     """
     device = kv_cache.device
-    total = sum(context_lens)
     lens = torch.tensor(context_lens, dtype=torch.long, device=device)
-    request = torch.repeat_interleave(torch.arange(len(context_lens), device=device), lens, output_size=total)
-    position = torch.arange(total, device=device) - (torch.cumsum(lens, 0) - lens)[request]
+    starts = torch.cumsum(lens, 0) - lens
+    rows = torch.arange(lo, hi, device=device)
+    request = torch.searchsorted(torch.cumsum(lens, 0), rows, right=True)
+    position = rows - starts[request]
     block_size = kv_cache.shape[1]
     blocks = block_table.to(device)[request, position // block_size].long()
     return kv_cache[blocks, position % block_size]
 
 
+def _expand(layer, latent, pe):
+    """``k [S, H, Dqk]`` (``[k_nope, k_pe broadcast to every head]``) and ``v [S, H, Dv]`` of latent rows
+    ``[S, L]`` and rotary keys ``[S, R]`` through ``kv_b_proj``, as vLLM's MLA prefill expands them."""
+    heads, nope, rope, dv = layer.num_heads, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
+    kv = layer.kv_b_proj(latent)[0].view(-1, heads, nope + dv)
+    k_nope, v = kv.split([nope, dv], dim=-1)
+    k = torch.cat([k_nope, pe.reshape(-1, 1, rope).expand(-1, heads, rope)], dim=-1)
+    return k, v.contiguous()
+
+
 def _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, first_row: int, context_lens: list[int]):
-    """Keys and values of the prefill rows ``[first_row, n)`` and of their cached context, expanded through
-    ``kv_b_proj`` (``k = [k_nope, k_pe broadcast to every head]``, as vLLM's MLA prefill expands them).
+    """Keys and values of the prefill rows ``[first_row, n)``, expanded through ``kv_b_proj``, and their cached
+    context as :data:`fusion_pass.backends.ContextRows` (the paged latents of the rows asked for, expanded
+    the same way: at most one context workspace is expanded at a time).
 
     Args:
         kv_c_normed: ``[n, L]``; k_pe: ``[n, 1, R]`` (the call's rows; decode rows first).
 
     Returns:
-        ``k [n, H, Dqk]``, ``v [n, H, Dv]`` (rows ``< first_row`` not written), ``k_context [C, H, Dqk]``,
-        ``v_context [C, H, Dv]`` with ``C = sum(context_lens)`` in request order (None when ``C == 0``);
-        in ``kv_b_proj``'s output dtype.
+        ``k [n, H, Dqk]``, ``v [n, H, Dv]`` (rows ``< first_row`` not written) in ``kv_b_proj``'s output
+        dtype, and the context source (None when no prefill has context).
     """
     n = kv_c_normed.shape[0]
-    heads, nope, rope, dv = layer.num_heads, layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.v_head_dim
     lora = layer.kv_lora_rank
-    latent, pe = kv_c_normed[first_row:], k_pe[first_row:].reshape(-1, rope)
-    rows = latent.shape[0]
-    if sum(context_lens):
-        cached = _cached_latents(md.prefill.block_table, kv_cache, context_lens).to(latent.dtype)
-        latent, pe = torch.cat([latent, cached[:, :lora]]), torch.cat([pe, cached[:, lora:]])
-    kv = layer.kv_b_proj(latent)[0].view(-1, heads, nope + dv)
-    k_nope, v_all = kv.split([nope, dv], dim=-1)
-    k_all = torch.cat([k_nope, pe.reshape(-1, 1, rope).expand(-1, heads, rope)], dim=-1)
-    v_all = v_all.contiguous()
+    latent = kv_c_normed[first_row:]
+    k_new, v_new = _expand(layer, latent, k_pe[first_row:].reshape(latent.shape[0], -1))
     if first_row:
-        k, v = k_all.new_empty(n, heads, nope + rope), v_all.new_empty(n, heads, dv)
-        k[first_row:], v[first_row:] = k_all[:rows], v_all[:rows]
+        k, v = k_new.new_empty(n, *k_new.shape[1:]), v_new.new_empty(n, *v_new.shape[1:])
+        k[first_row:], v[first_row:] = k_new, v_new
     else:
-        k, v = k_all[:rows], v_all[:rows]
-    if k_all.shape[0] == rows:
-        return k, v, None, None
-    return k, v, k_all[rows:], v_all[rows:]
+        k, v = k_new, v_new
+    if not sum(context_lens):
+        return k, v, None
+
+    def context(lo: int, hi: int):
+        cached = _cached_latents(md.prefill.block_table, kv_cache, context_lens, lo, hi).to(latent.dtype)
+        return _expand(layer, cached[:, :lora], cached[:, lora:])
+
+    return k, v, context
 
 
 def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale) -> None:
@@ -357,9 +366,9 @@ def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, o
     decode, query_lens, context_lens = _mla_batch(md)
     q, kv_c_normed, k_pe = (t[:n] for t in inputs)
     packed, scale_bytes, scales = _nvfp4_rows(output, output_block_scale, n)
-    k, v, k_context, v_context = _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, decode, context_lens)
+    k, v, context = _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, decode, context_lens)
     backends.run_prefills(backend, q, k, v, first_row=decode, query_lens=query_lens, context_lens=context_lens,
-                          k_context=k_context, v_context=v_context, softmax_scale=float(layer.scale),
+                          context=context, softmax_scale=float(layer.scale),
                           output=packed[:n], output_scale=output_scale, output_block_scale=scales)
     if decode:
         _run_decode_rows(layer, md, kv_cache, inputs, decode, output_scale, packed, scale_bytes, output_block_scale)
