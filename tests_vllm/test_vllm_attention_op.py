@@ -208,6 +208,28 @@ def test_guard_falls_back_where_rows_cannot_be_computed_apart():
         "no_attention_metadata"
 
 
+def test_guard_reads_the_layer_as_vllm_configures_it():
+    """An explicit unquantized KV cache dtype (vLLM's way to override a checkpoint's FP8 KV scheme) is fused; an
+    MLA layer with a sliding window is refused (the kernels attend to every earlier key); metadata without a
+    prefill part (some platforms' sparse MLA) is read without error."""
+    inputs, md, kv_cache = batch(3, [5, 9], [0, 40])
+    for dtype in ("bfloat16", "float16", "auto"):
+        layer = VllmStructure()
+        layer.kv_cache_dtype = dtype
+        assert attention.decide("stand_in.attn", inputs[0], md, layer, kv_cache).path == "fused", dtype
+    for dtype in ("fp8", "fp8_e4m3", "fp8_ds_mla"):
+        layer = VllmStructure()
+        layer.kv_cache_dtype = dtype
+        assert attention.decide("stand_in.attn", inputs[0], md, layer, kv_cache).reason == "layer_not_supported"
+    windowed = VllmStructure()
+    windowed.sliding_window = 4
+    decision = attention.decide("stand_in.attn", inputs[0], md, windowed, kv_cache)
+    assert (decision.reason, decision.detail) == ("layer_not_supported", "stand_in.attn: sliding window 4")
+    no_prefill = SimpleNamespace(num_actual_tokens=8, num_decode_tokens=8)
+    decision = attention.decide("stand_in.attn", inputs[0], no_prefill, VllmStructure(), kv_cache)
+    assert (decision.path, decision.reason) == ("fallback", "decode_tokens")
+
+
 def test_guard_keeps_standard_layers_on_the_exact_fallback_for_decode_rows_and_context():
     layer = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=64, kv_cache_dtype="auto", attn_type="decoder",
                             impl=SimpleNamespace(sliding_window=None, alibi_slopes=None, sinks=None,

@@ -180,12 +180,29 @@ def _dims(layer) -> tuple[int, int, int]:
     return layer.num_heads, layer.head_size, layer.head_size
 
 
+def _quantized_kv_cache(kv_dtype) -> bool:
+    """Whether vLLM stores this layer's KV cache quantized (FP8 and the like): vLLM's own
+    ``is_quantized_kv_cache``; ``"auto"`` and explicit half/float dtypes are not."""
+    if kv_dtype in (None, "auto"):
+        return False
+    try:
+        from vllm.utils.torch_utils import is_quantized_kv_cache
+    except ImportError:
+        return str(kv_dtype) not in ("bfloat16", "float16", "half", "float", "float32")
+    return bool(is_quantized_kv_cache(kv_dtype))
+
+
 def _unsupported(layer, md) -> str | None:
     """What the layer computes that the fused kernels (plain causal softmax attention) do not, or None."""
     impl = getattr(layer, "impl", None)
     kv_dtype = getattr(layer, "kv_cache_dtype", "auto")
-    if kv_dtype not in ("auto", None):
+    if _quantized_kv_cache(kv_dtype):
         return f"KV cache dtype {kv_dtype!r} (the fused kernels read unquantized keys and values)"
+    window = getattr(impl, "sliding_window", None)
+    if window in (None, -1, (-1, -1)):
+        window = getattr(layer, "sliding_window", None)
+    if window not in (None, -1, (-1, -1)):
+        return f"sliding window {window}"
     if _is_mla(layer):
         if getattr(impl, "is_sparse", False):
             return "sparse MLA"
@@ -199,9 +216,6 @@ def _unsupported(layer, md) -> str | None:
         return f"attention type {attn_type} (the fused kernels are causal decoder attention)"
     if getattr(layer, "kv_sharing_target_layer_name", None):
         return "KV sharing with another layer"
-    window = getattr(impl, "sliding_window", None)
-    if window not in (None, -1, (-1, -1)):
-        return f"sliding window {window}"
     for name in ("alibi_slopes", "sinks"):
         if getattr(impl, name, None) is not None:
             return name.replace("_", " ")
@@ -283,8 +297,8 @@ def _mla_batch(md) -> tuple[int, list[int], list[int]]:
     decode tokens (rows ``[0, D)``), then per prefill request (rows from ``D`` on, in order) its new
     tokens and its cached context tokens (``prefill.chunked_context.context_lens_list``; 0 without)."""
     decode = int(md.num_decode_tokens)
-    prefill = md.prefill
-    if prefill is None or not md.num_prefills:
+    prefill = getattr(md, "prefill", None)  # absent from some platforms' sparse MLA metadata
+    if prefill is None or not getattr(md, "num_prefills", 0):
         return decode, [], []
     lens = getattr(prefill, "query_lens_cpu", None)
     if lens is None:  # vLLM's builder sets it; otherwise from the (device) offsets
