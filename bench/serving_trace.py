@@ -62,7 +62,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("fusion_pass") is None:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-from fusion_pass import demo, guard, runtime  # noqa: E402
+from fusion_pass import backends, demo, guard, runtime  # noqa: E402
 from fusion_pass.fusion import FusionPass  # noqa: E402
 from fusion_pass.models import release_layers  # noqa: E402
 from fusion_pass.models.common import MAX_POSITION  # noqa: E402
@@ -546,11 +546,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="cuda timing: untimed calls per step and variant (default 3)")
     parser.add_argument("--repeats", type=int, default=10,
                         help="cuda timing: timed calls per step and variant (default 10)")
+    parser.add_argument("--workspace-tokens", type=int, metavar="N",
+                        help="context workspace bound of the fused path, in tokens (default: "
+                             "$FUSION_PASS_CONTEXT_WORKSPACE_TOKENS or 65536); a small N sends chunked prefills "
+                             "through the chunked log-sum-exp merge (fa4 / triton backends)")
     parser.add_argument("--schedule-only", action="store_true",
                         help="only generate the schedule and the pure-prefill gate's fraction (no model, no counters)")
     parser.add_argument("--json", metavar="PATH", type=Path, help="write the results as JSON to PATH")
     args = parser.parse_args(argv)
-    for name in ("budget", "steps", "max_seqs", "layers", "repeats"):
+    for name in ("budget", "steps", "max_seqs", "layers", "repeats", "workspace_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -594,13 +598,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         note = None if args.device == "cuda" else "CPU run: timing needs --device cuda (CUDA events)"
         try:
-            run = run_trace(steps, model_name=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
-                            timing=args.device == "cuda", warmup=args.warmup, repeats=args.repeats)
+            with backends.use_context_workspace_tokens(args.workspace_tokens):
+                run = run_trace(steps, model_name=args.model, tiny=args.tiny, device=args.device,
+                                layers=args.layers, timing=args.device == "cuda", warmup=args.warmup,
+                                repeats=args.repeats)
         except MissingTokenCounters as exc:
             print(f"serving_trace.py: {exc}", file=sys.stderr)
             return 2
     doc = results_json(cfg, steps, run, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
                        timing_note=note)
+    with backends.use_context_workspace_tokens(args.workspace_tokens):
+        doc["config"]["context_workspace_tokens"] = backends.context_workspace_tokens()
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     print(summary(doc))

@@ -174,8 +174,20 @@ def test_help_describes_the_options(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for option in ("--budget", "--steps", "--seed", "--model", "--tiny", "--device", "--json", "--rate",
-                   "--max-seqs", "--prefix-hit-rate", "pure_prefill_gate"):
+                   "--max-seqs", "--prefix-hit-rate", "--workspace-tokens", "pure_prefill_gate"):
         assert option in out
+
+
+def test_workspace_bound_is_checked_and_recorded(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("FUSION_PASS_CONTEXT_WORKSPACE_TOKENS", raising=False)
+    with pytest.raises(SystemExit):
+        st.main(["--tiny", "--schedule-only", "--workspace-tokens", "0"])
+    assert "--workspace-tokens must be >= 1" in capsys.readouterr().err
+    path = tmp_path / "trace.json"
+    assert st.main(["--tiny", "--schedule-only", "--workspace-tokens", "64", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["config"]["context_workspace_tokens"] == 64
+    assert st.main(["--tiny", "--schedule-only", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["config"]["context_workspace_tokens"] == 65536
 
 
 def test_schedule_only_writes_the_json_without_the_model(tmp_path, capsys):
