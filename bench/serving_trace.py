@@ -62,7 +62,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("fusion_pass") is None:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-from fusion_pass import backends, demo, guard, runtime  # noqa: E402
+from fusion_pass import demo, guard, prefill, runtime  # noqa: E402
 from fusion_pass.fusion import FusionPass  # noqa: E402
 from fusion_pass.models import release_layers  # noqa: E402
 from fusion_pass.models.common import MAX_POSITION  # noqa: E402
@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         note = None if args.device == "cuda" else "CPU run: timing needs --device cuda (CUDA events)"
         try:
-            with backends.use_context_workspace_tokens(args.workspace_tokens):
+            with prefill.use_context_workspace_tokens(args.workspace_tokens):
                 run = run_trace(steps, model_name=args.model, tiny=args.tiny, device=args.device,
                                 layers=args.layers, timing=args.device == "cuda", warmup=args.warmup,
                                 repeats=args.repeats)
@@ -607,8 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     doc = results_json(cfg, steps, run, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
                        timing_note=note)
-    with backends.use_context_workspace_tokens(args.workspace_tokens):
-        doc["config"]["context_workspace_tokens"] = backends.context_workspace_tokens()
+    with prefill.use_context_workspace_tokens(args.workspace_tokens):
+        doc["config"]["context_workspace_tokens"] = prefill.context_workspace_tokens()
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     print(summary(doc))

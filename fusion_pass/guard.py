@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 
 from fusion_pass import backends as _backends
+from fusion_pass import prefill as _prefill
 
 __all__ = [
     "Decision",
@@ -95,7 +96,7 @@ def decide(
     4. every prefill has cached context (chunked prefill, prefix-cache hit) and
        the backend does not run such prefills: ``"chunked_prefill"``.
 
-    Otherwise the prefill rows the backend runs (:func:`fusion_pass.backends.fuses`) are fused and the
+    Otherwise the prefill rows the backend runs (:func:`fusion_pass.prefill.fuses`) are fused and the
     rest post-quantized: decode rows counted under ``"decode_tokens"``, rows of prefills with cached
     context the backend does not run under ``"chunked_prefill"``. ``path`` is ``"fused"`` when every
     prefill row is fused, ``"partial"`` when some are.
@@ -113,7 +114,7 @@ def decide(
     backend, why = _backends.select_backend(device, dtype, num_heads, qk_head_dim, v_head_dim)
     if backend is None:
         return fallback("no_backend", why)
-    fused = sum(r.query_len for r in spec.requests if _backends.fuses(backend, r))
+    fused = sum(r.query_len for r in spec.requests if _prefill.fuses(backend, r))
     unfused = {"decode_tokens": d, "chunked_prefill": prefill - fused}
     rest = {k: v for k, v in unfused.items() if v}
     context = ("" if fused == prefill else f"; {prefill - fused} row(s) of prefills with cached context "

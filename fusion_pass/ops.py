@@ -22,7 +22,7 @@ import math
 import torch
 from torch import Tensor
 
-from fusion_pass import backends, guard, nvfp4, runtime
+from fusion_pass import backends, guard, nvfp4, prefill, runtime
 
 NAMESPACE = "fusion_pass"
 
@@ -472,8 +472,8 @@ def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
         from fusion_pass.kernels.fa4_sm90 import fa4_attention_varlen as flash
     else:
         from fusion_pass.kernels.flash_attention import flash_attention as flash
-    q, k, v = backends.prefill_qkv(impl, inputs, spec)
-    cu_seqlens, max_seqlen = backends.varlen_meta(spec, q.device)
+    q, k, v = prefill.prefill_qkv(impl, inputs, spec)
+    cu_seqlens, max_seqlen = prefill.varlen_meta(spec, q.device)
     return flash(q, k, v, cu_seqlens, max_seqlen, causal=True, softmax_scale=impl.softmax_scale)
 
 

@@ -19,14 +19,14 @@ if not torch.cuda.is_available():
 def clean_backend_state(monkeypatch):
     """No backend pinned (environment or set_backend), the default context workspace bound, zeroed guard
     counters; restored after."""
-    from fusion_pass import backends, guard
+    from fusion_pass import backends, guard, prefill
 
     monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
-    monkeypatch.delenv(backends.CONTEXT_WORKSPACE_ENV, raising=False)
+    monkeypatch.delenv(prefill.CONTEXT_WORKSPACE_ENV, raising=False)
     previous = backends.set_backend(None)
-    previous_workspace = backends.set_context_workspace_tokens(None)
+    previous_workspace = prefill.set_context_workspace_tokens(None)
     guard.reset_counters()
     yield
     backends.set_backend(previous)
-    backends.set_context_workspace_tokens(previous_workspace)
+    prefill.set_context_workspace_tokens(previous_workspace)
     guard.reset_counters()

@@ -1,7 +1,7 @@
 """Prefills with cached context on the fused path (chunked prefill, prefix-cache hits), through the real ops.
 
 Generated serving schedules (decodes, new prompts, chunks of prompts with cached context) run through the
-NVFP4 attention ops with a backend whose fused call is :func:`fusion_pass.backends.run_on_prefill` (the
+NVFP4 attention ops with a backend whose fused call is :func:`fusion_pass.prefill.run_on_prefill` (the
 ``fa4``/``triton`` backends' ``run``), on both sides of the context workspace bound: one attention over
 context + new keys (``seqlen_k > seqlen_q``), or context chunks merged by log-sum-exp into NVFP4. Kernels:
 the ``reference`` kernels (float32 PyTorch) and the Triton kernels (compiled on a CUDA device, Triton's interpreter on the CPU).
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
-from fusion_pass import backends, guard, kernels, nvfp4, runtime
+from fusion_pass import backends, guard, kernels, nvfp4, prefill, runtime
 from fusion_pass.demo import requantization_bound
 from fusion_pass.ops import scaled_fp4_quant
 
@@ -36,7 +36,7 @@ def _clean_state(clean_backend_state):
 
 class KernelBackend:
     """A fused backend over one kernel family of :mod:`fusion_pass.kernels` (``reference`` or ``triton``),
-    with the ``fa4``/``triton`` backends' ``run``: :func:`fusion_pass.backends.run_on_prefill`."""
+    with the ``fa4``/``triton`` backends' ``run``: :func:`fusion_pass.prefill.run_on_prefill`."""
 
     handles_context = True
 
@@ -44,7 +44,7 @@ class KernelBackend:
         self.name, self.kernel = f"kernels.{kernel}", kernel
 
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale):
-        backends.run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
+        prefill.run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
 
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale, output_block_scale,
                    *, cu_seqlens_k=None, max_seqlen_k=None):
@@ -161,7 +161,7 @@ def _run_schedule(monkeypatch, kind, kernel, workspace_tokens, steps):
                 rows, cols = nvfp4.scale_shape(t, width)
                 packed = torch.full((t, width // 2), poison, dtype=torch.uint8, device=DEVICE)
                 scales = torch.full((rows, cols), poison, dtype=torch.uint8, device=DEVICE)
-                with runtime.batch(spec), backends.use_context_workspace_tokens(workspace_tokens):
+                with runtime.batch(spec), prefill.use_context_workspace_tokens(workspace_tokens):
                     op(*inputs, packed, name, gs, scales)
                 got.append((packed, scales))
             where = f"seed {seed}, kind {kind}, kernel {kernel}, workspace {workspace_tokens}, step {spec.requests}"
@@ -219,20 +219,20 @@ def test_triton_kernels_fuse_every_prefill_row_of_generated_schedules(monkeypatc
 
 
 def test_context_workspace_bound_is_configurable_and_checked(monkeypatch):
-    monkeypatch.delenv(backends.CONTEXT_WORKSPACE_ENV, raising=False)
-    assert backends.context_workspace_tokens() == backends.DEFAULT_CONTEXT_WORKSPACE_TOKENS
-    monkeypatch.setenv(backends.CONTEXT_WORKSPACE_ENV, "4096")
-    assert backends.context_workspace_tokens() == 4096
-    with backends.use_context_workspace_tokens(12):
-        assert backends.context_workspace_tokens() == 12
-    assert backends.context_workspace_tokens() == 4096
+    monkeypatch.delenv(prefill.CONTEXT_WORKSPACE_ENV, raising=False)
+    assert prefill.context_workspace_tokens() == prefill.DEFAULT_CONTEXT_WORKSPACE_TOKENS
+    monkeypatch.setenv(prefill.CONTEXT_WORKSPACE_ENV, "4096")
+    assert prefill.context_workspace_tokens() == 4096
+    with prefill.use_context_workspace_tokens(12):
+        assert prefill.context_workspace_tokens() == 12
+    assert prefill.context_workspace_tokens() == 4096
     for bad in ("0", "-3", "many"):
-        monkeypatch.setenv(backends.CONTEXT_WORKSPACE_ENV, bad)
-        with pytest.raises(ValueError, match=backends.CONTEXT_WORKSPACE_ENV):
-            backends.context_workspace_tokens()
+        monkeypatch.setenv(prefill.CONTEXT_WORKSPACE_ENV, bad)
+        with pytest.raises(ValueError, match=prefill.CONTEXT_WORKSPACE_ENV):
+            prefill.context_workspace_tokens()
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="tokens"):
-            with backends.use_context_workspace_tokens(bad):
+            with prefill.use_context_workspace_tokens(bad):
                 pass
 
 
@@ -281,7 +281,7 @@ def test_beyond_the_bound_every_chunk_holds_at_most_bound_keys_and_there_are_as_
         spy = _SpyBackend()
         packed = torch.full((t, h * dv // 2), 0xAB, dtype=torch.uint8, device=DEVICE)
         scales = torch.full((rows, cols), 0xAB, dtype=torch.uint8, device=DEVICE)
-        backends.run_prefills(spy, q, k, v, first_row=3, query_lens=query_lens, context_lens=context_lens,
+        prefill.run_prefills(spy, q, k, v, first_row=3, query_lens=query_lens, context_lens=context_lens,
                               context=context, softmax_scale=0.2, output=packed, output_scale=gs,
                               output_block_scale=scales, workspace_tokens=workspace)
         outs.append((packed, scales, spy.chunk_keys, asked[:]))
@@ -305,7 +305,7 @@ def test_a_bad_workspace_bound_argument_is_refused_before_anything_runs():
     q = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
     for bad in (0, -5, 1.5):
         with pytest.raises(ValueError, match=r"run_prefills\(workspace_tokens\)"):
-            backends.run_prefills(KernelBackend("reference"), q, q, q, first_row=0, query_lens=[4], context_lens=[0],
+            prefill.run_prefills(KernelBackend("reference"), q, q, q, first_row=0, query_lens=[4], context_lens=[0],
                                   context=None, softmax_scale=0.2, output=None, output_scale=None,
                                   output_block_scale=None, workspace_tokens=bad)
 

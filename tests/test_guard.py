@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
-from fusion_pass import backends, guard, nvfp4, runtime
+from fusion_pass import backends, guard, nvfp4, prefill, runtime
 from fusion_pass.ops import scaled_fp4_quant
 
 OPS = torch.ops.fusion_pass
@@ -645,7 +645,7 @@ def test_prefill_qkv_feeds_the_same_attention_and_refuses_other_batches(layer):
     spec = runtime.BatchSpec.from_lens([6, 3])
     inputs = layer.inputs(spec.num_tokens, seed=2, dtype=torch.float32)
     layer.impl.clear_cache()
-    q, k, v = backends.prefill_qkv(layer.impl, inputs, spec)
+    q, k, v = prefill.prefill_qkv(layer.impl, inputs, spec)
     cu = torch.tensor(spec.query_start_loc())
     attn = _dense_causal(q, k, v, cu, layer.impl.softmax_scale).reshape(spec.num_tokens, -1)
     # a follow-up batch sees the cache prefill_qkv wrote
@@ -658,7 +658,7 @@ def test_prefill_qkv_feeds_the_same_attention_and_refuses_other_batches(layer):
     torch.testing.assert_close(after_qkv.reshape(2, -1), replay, atol=1e-5, rtol=1e-5)
     for kind in ("mixed", "chunked"):
         with pytest.raises(ValueError, match="pure-prefill"):
-            backends.prefill_qkv(layer.impl, inputs, SPECS[kind])
+            prefill.prefill_qkv(layer.impl, inputs, SPECS[kind])
 
 
 def test_backend_env_variable(monkeypatch):
@@ -782,7 +782,7 @@ def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows
     try:
         runtime.clear_kv_caches()
         for step, (spec, want) in enumerate(steps):
-            with backends.use_backend(name), backends.use_context_workspace_tokens(64 if step in bounded else None):
+            with backends.use_backend(name), prefill.use_context_workspace_tokens(64 if step in bounded else None):
                 t, d = spec.num_tokens, spec.num_decode_tokens
                 inputs = make(t, gen)
                 start = runtime.snapshot_kv_caches()
@@ -841,7 +841,7 @@ class _ClobberingKernelBackend:
     name, handles_context = "clobbering", False
 
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale):
-        backends.run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
+        prefill.run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
 
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale, output_block_scale):
         from fusion_pass.kernels import reference_attention
@@ -850,7 +850,7 @@ class _ClobberingKernelBackend:
         a, b = int(cu_seqlens[0]), int(cu_seqlens[-1])
         out = reference_attention(q[a:b], k[a:b], v[a:b], cu_seqlens - a, True, softmax_scale)
         t = q.shape[0]
-        backends.post_quantize_rows(out, output_scale, output, output_block_scale, a, t)
+        prefill.post_quantize_rows(out, output_scale, output, output_block_scale, a, t)
 
 
 @pytest.mark.parametrize("lens", [
@@ -883,7 +883,7 @@ def test_fused_kernel_rows_and_post_quantized_rows_share_the_buffers(layer, monk
     for s, inputs in steps:
         ref = layer.call_unfused(s, inputs, GS)
     t, locs = spec.num_tokens, spec.query_start_loc()
-    exact = [i for i, r in enumerate(spec.requests) if not backends.fuses(fake, r)]
+    exact = [i for i, r in enumerate(spec.requests) if not prefill.fuses(fake, r)]
     for i in exact:  # decode rows and prefills with context: the unfused graph's bytes
         a, b = locs[i], locs[i + 1]
         n_blocks = layer.width // nvfp4.BLOCK_SIZE
@@ -896,6 +896,6 @@ def test_fused_kernel_rows_and_post_quantized_rows_share_the_buffers(layer, monk
     assert bool((scales[_padding_mask(t, layer.width)] == 0).all())
     counts = guard.counters()
     assert counts["fused_by_backend"] == {"clobbering": 4}
-    fused_rows = sum(r.query_len for r in spec.requests if backends.fuses(fake, r))
+    fused_rows = sum(r.query_len for r in spec.requests if prefill.fuses(fake, r))
     assert counts["tokens"]["prefill_fused"] == 2 * (first.num_tokens + fused_rows)
     assert (want == "partial") == (fused_rows < spec.num_tokens - spec.num_decode_tokens)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
-from fusion_pass import backends, guard, nvfp4, ops, runtime
+from fusion_pass import backends, guard, nvfp4, ops, prefill, runtime
 
 OPS = torch.ops.fusion_pass
 MLA_DIMS = dict(num_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32)
@@ -418,9 +418,9 @@ def test_check_inputs_is_side_effect_free_and_forward_still_works(layer):
     # the fused backends' input preparation still validates first and extends the cache once
     layer.impl.clear_cache()
     with pytest.raises(ValueError, match=rf"{layer.arg_names[0]} must have shape"):
-        backends.prefill_qkv(layer.impl, (inputs[0][:-1],) + inputs[1:], spec)
+        prefill.prefill_qkv(layer.impl, (inputs[0][:-1],) + inputs[1:], spec)
     assert layer.impl.cache_len("r0") == 0
-    backends.prefill_qkv(layer.impl, inputs, spec)
+    prefill.prefill_qkv(layer.impl, inputs, spec)
     assert layer.impl.cache_len("r0") == 4 and layer.impl.cache_len("r1") == 2
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fusion_pass.ops  # noqa: F401  (torch.ops.fusion_pass.scaled_fp4_quant, the unfused graph's quant op on CPU)
-from fusion_pass import backends, nvfp4
+from fusion_pass import backends, nvfp4, prefill
 from fusion_pass.vllm import attention
 
 H, NOPE, ROPE, DV, LORA, BLOCK = 4, 32, 16, 32, 64, 16
@@ -124,7 +124,7 @@ def test_mla_rows_decode_exact_prefill_fused_with_context(decode, query_lens, co
     inputs, md, kv_cache = batch(decode, query_lens, context_lens)
     n = md.num_actual_tokens
     packed, scales = buffers(n + 5)  # 5 padding rows past num_actual_tokens
-    with backends.use_context_workspace_tokens(workspace):
+    with prefill.use_context_workspace_tokens(workspace):
         attention._run_fused_mla(backends.get_backend("reference"), md, layer, kv_cache, inputs, packed, GS,
                                  scales)
     assert layer.forward_impl_rows == ([decode] if decode else [])

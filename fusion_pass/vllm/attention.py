@@ -31,7 +31,7 @@ Otherwise the fused path runs (path ``"fused"``: every prefill row is written by
 
 * standard layers (pure-prefill batches): causal varlen attention of the ``num_actual_tokens`` rows;
 * MLA (vLLM orders a batch's ``D = num_decode_tokens`` decode rows first, then the prefills): the
-  prefill rows ``[D, num_actual_tokens)`` through :func:`fusion_pass.backends.run_prefills`, keys and
+  prefill rows ``[D, num_actual_tokens)`` through :func:`fusion_pass.prefill.run_prefills`, keys and
   values expanded from ``kv_c_normed`` through the layer's ``kv_b_proj`` with ``k_pe`` broadcast to
   every head, as vLLM's MLA prefill does; prefills with cached context also attend to their context,
   read from the paged latent cache (the prefills' block table and context lengths) and expanded the
@@ -56,7 +56,7 @@ import logging
 
 import torch
 
-from fusion_pass import backends, guard, nvfp4
+from fusion_pass import backends, guard, nvfp4, prefill
 
 logger = logging.getLogger("vllm.fusion_pass")
 
@@ -342,7 +342,7 @@ def _expand(layer, latent, pe):
 
 def _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, first_row: int, context_lens: list[int]):
     """Keys and values of the prefill rows ``[first_row, n)``, expanded through ``kv_b_proj``, and their cached
-    context as :data:`fusion_pass.backends.ContextRows` (the paged latents of the rows asked for, expanded
+    context as :data:`fusion_pass.prefill.ContextRows` (the paged latents of the rows asked for, expanded
     the same way: at most one context workspace is expanded at a time).
 
     Args:
@@ -373,7 +373,7 @@ def _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, first_row: int, context_le
 
 def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale) -> None:
     """An MLA call with at least one prefill row: the prefills (rows ``[D, n)``, ``n = num_actual_tokens``)
-    through :func:`fusion_pass.backends.run_prefills` first (its entry point may zero scale bytes of the
+    through :func:`fusion_pass.prefill.run_prefills` first (its entry point may zero scale bytes of the
     last 128-row tile, which decode rows may share), then the decode rows ``[0, D)``
     (:func:`_run_decode_rows`); rows past ``n`` zeroed."""
     n = int(md.num_actual_tokens)
@@ -381,7 +381,7 @@ def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, o
     q, kv_c_normed, k_pe = (t[:n] for t in inputs)
     packed, scale_bytes, scales = _nvfp4_rows(output, output_block_scale, n)
     k, v, context = _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, decode, context_lens)
-    backends.run_prefills(backend, q, k, v, first_row=decode, query_lens=query_lens, context_lens=context_lens,
+    prefill.run_prefills(backend, q, k, v, first_row=decode, query_lens=query_lens, context_lens=context_lens,
                           context=context, softmax_scale=float(layer.scale),
                           output=packed[:n], output_scale=output_scale, output_block_scale=scales)
     if decode:

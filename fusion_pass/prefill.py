@@ -1,0 +1,371 @@
+"""How the prefill rows of one attention call reach a fused backend.
+
+A call's rows are its decode rows ``[0, D)`` then its prefills, each ``query_len`` new tokens after
+``context_len`` cached ones (vLLM's order, :class:`~fusion_pass.runtime.BatchSpec`). This module turns them
+into what a fused backend's kernel takes and writes them back:
+
+* :func:`prefill_qkv` / :func:`prefill_qkv_and_context`: dense ``q``/``k``/``v`` of the prefills (MLA: keys
+  and values up-projected through ``kv_b_proj``), appending the new tokens to the layer's cache, and the
+  prefills' cached context as a source of rows (:data:`ContextRows`);
+* :func:`run_prefills`: the fused NVFP4 attention of a run of prefills at their rows: one kernel call over a
+  key/value workspace of context + new tokens (``seqlen_k > seqlen_q``, causal aligned to the end) while the
+  call's cached context fits the workspace bound (:func:`context_workspace_tokens`), else context chunks of
+  at most that many keys, each with its log-sum-exp, merged into NVFP4 by the backend's merge kernel;
+* :func:`run_on_prefill`: a whole call: the prefill rows through :func:`run_prefills` first, then every row
+  the backend does not write (decode rows; prefills with context when the backend does not
+  ``handle_context``) computed as the unfused graph computes it and written by the row-range quantizer
+  (:func:`post_quantize_rows`), which touches no other row.
+
+A backend here is anything with ``run_varlen`` / ``attention_lse`` / ``merge_nvfp4``
+(:class:`fusion_pass.backends.Backend`); this module does not import :mod:`fusion_pass.backends`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from fusion_pass import nvfp4
+from fusion_pass.dense import merge_attention
+
+__all__ = [
+    "CONTEXT_WORKSPACE_ENV",
+    "DEFAULT_CONTEXT_WORKSPACE_TOKENS",
+    "ContextRows",
+    "context_workspace_tokens",
+    "set_context_workspace_tokens",
+    "use_context_workspace_tokens",
+    "fuses",
+    "packed_rows",
+    "post_quantize_rows",
+    "prefill_qkv",
+    "prefill_qkv_and_context",
+    "run_on_prefill",
+    "run_prefills",
+    "varlen_meta",
+]
+
+CONTEXT_WORKSPACE_ENV = "FUSION_PASS_CONTEXT_WORKSPACE_TOKENS"
+"""Environment variable setting the context workspace bound (:func:`context_workspace_tokens`)."""
+
+DEFAULT_CONTEXT_WORKSPACE_TOKENS = 65536
+"""Default context workspace bound: vLLM's cap on its MLA chunked-prefill workspace (64k tokens)."""
+
+_workspace_override: int | None = None
+_workspace_scoped: contextvars.ContextVar[int | None] = contextvars.ContextVar("fusion_pass_workspace", default=None)
+
+def _is_mla(impl: Any) -> bool:
+    return hasattr(impl, "kv_lora_rank")
+
+
+def prefill_qkv(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """Dense ``q [T, H, Dqk]``, ``k [T, Hk, Dqk]``, ``v [T, Hk, Dv]`` (query dtype) of a
+    pure-prefill batch, for a varlen flash-attention kernel; appends the new tokens to the
+    layer's cache exactly as ``impl.forward`` does.
+
+    MLA (``inputs = (q, kv_c_normed, k_pe)``): ``k``/``v`` are expanded through
+    ``kv_b_proj`` (W_UK / W_UV), as vLLM's MLA prefill does, and ``k_pe`` is
+    broadcast to every head. Standard attention (``inputs = (q, k, v)``): as given.
+
+    Uses the runtime impls' internal helpers (the latent expansion and the
+    per-request cache), so it stays in step with :mod:`fusion_pass.runtime`.
+    """
+    if spec.num_decode_tokens != 0 or spec.has_chunked_prefill:
+        raise ValueError(
+            f"fused backends run only on pure-prefill batches (no decode tokens, no cached context); "
+            f"got a {spec.kind!r} batch"
+        )
+    return prefill_qkv_and_context(impl, inputs, spec)[:3]
+
+
+def prefill_qkv_and_context(impl: Any, inputs: tuple, spec: Any) -> tuple[Tensor, Tensor, Tensor, ContextRows]:
+    """:func:`prefill_qkv` for a batch of prefills that may have cached context (no decode tokens), plus
+    their context as :data:`ContextRows` (the cached rows of every request in the batch's order; MLA: the
+    cached latents of the rows asked for, expanded through ``kv_b_proj`` as the new tokens are). Appends the
+    new tokens to the cache (the context source reads the entries as they were before)."""
+    if spec.num_decode_tokens != 0:
+        raise ValueError(f"prefill_qkv_and_context takes prefills only; got a {spec.kind!r} batch")
+    locs = spec.query_start_loc()
+    if _is_mla(impl):
+        q, kv_c_normed, k_pe = inputs
+        impl.check_inputs(q, kv_c_normed, k_pe, spec)  # side-effect free: before the cache changes
+        k_pe = k_pe.reshape(spec.num_tokens, impl.qk_rope_head_dim)
+        latent = torch.cat([kv_c_normed, k_pe], dim=-1)  # [T, L + rope], input dtype
+        cached = [impl._cache.extend(req, (latent[start:end],))[0][: req.context_len]
+                  for req, start, end in zip(spec.requests, locs[:-1], locs[1:])]
+        w_uk, w_uv = impl._weights()
+
+        def expand(rows: Tensor) -> tuple[Tensor, Tensor]:
+            k, v = impl._expand(rows, w_uk, w_uv)  # float32
+            return k.to(q.dtype), v.to(q.dtype)
+
+        k, v = expand(latent)
+        return q, k, v, lambda lo, hi: expand(packed_rows(cached, lo, hi))
+    q, k, v = inputs
+    impl.check_inputs(q, k, v, spec)  # side-effect free: before the cache changes
+    k_ctx, v_ctx = [], []
+    for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
+        k_all, v_all = impl._cache.extend(req, (k[start:end], v[start:end]))
+        k_ctx.append(k_all[: req.context_len])
+        v_ctx.append(v_all[: req.context_len])
+    # the kernels take one dtype and unit stride along the head dim; the runtime accepts any float inputs
+    q, k, v = (x.to(q.dtype).contiguous() if x.dtype != q.dtype or x.stride(-1) != 1 else x for x in (q, k, v))
+    return q, k, v, lambda lo, hi: (packed_rows(k_ctx, lo, hi).to(q.dtype), packed_rows(v_ctx, lo, hi).to(q.dtype))
+
+
+def varlen_meta(spec: Any, device: torch.device, first_row: int = 0) -> tuple[Tensor, int]:
+    """``cu_seqlens`` int32 ``[B + 1]`` on ``device`` (starting at ``first_row``) and the longest query length."""
+    cu_seqlens = torch.tensor([first_row + x for x in spec.query_start_loc()], dtype=torch.int32, device=device)
+    return cu_seqlens, max(r.query_len for r in spec.requests)
+
+
+def _nvfp4_views(output: Tensor, output_block_scale: Tensor, t: int) -> tuple[Tensor, Tensor]:
+    """``output`` as uint8 ``[T, K/2]`` and the scale buffer as bytes ``[round_up(T,128), cols]``."""
+    packed = output.view(torch.uint8).view(t, -1)
+    scales = output_block_scale.view(torch.uint8).view(nvfp4.round_up(t, 128), -1)
+    return packed, scales
+
+
+def post_quantize_rows(rows: Tensor, output_scale: Tensor, output: Tensor, output_block_scale: Tensor,
+                       row_start: int, t: int) -> None:
+    """Quantize ``rows [M, H*Dv]`` (any float dtype) into rows ``[row_start, row_start + M)`` of the
+    ``T``-row NVFP4 buffers, touching no other row. The op checked the buffers and the global scale
+    already: on CUDA the Triton launcher runs unvalidated (no read-back of the scale, no sync); elsewhere
+    :func:`fusion_pass.nvfp4.quantize_rows_into`."""
+    packed, scales = _nvfp4_views(output, output_block_scale, t)
+    x = rows.reshape(rows.shape[0], -1)
+    if x.is_cuda:
+        from fusion_pass.kernels.nvfp4_quant import quantize_rows_into
+    else:
+        quantize_rows_into = nvfp4.quantize_rows_into
+    quantize_rows_into(x, output_scale, packed, scales, row_start)
+
+
+def _sub_batch(spec: Any, requests) -> Any:
+    """A batch of some of ``spec``'s requests (in their order)."""
+    return type(spec)(tuple(requests), spec.dcp_world_size)
+
+
+def fuses(backend: Any, request: Any) -> bool:
+    """Whether ``backend``'s fused kernel writes ``request``'s rows: a prefill, without cached context
+    unless the backend runs prefills with context (``handles_context``)."""
+    return not request.is_decode and (request.context_len == 0 or getattr(backend, "handles_context", False))
+
+
+def _runs(spec: Any, requests: list) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each run of adjacent rows that ``requests`` (in ``spec``'s order) cover."""
+    locs = spec.query_start_loc()
+    index = {r.request_id: i for i, r in enumerate(spec.requests)}
+    runs: list[list[int]] = []
+    for r in requests:
+        start = locs[index[r.request_id]]
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1][1] += r.query_len
+        else:
+            runs.append([start, r.query_len])
+    return [(a, n) for a, n in runs]
+
+
+def _rows(spec: Any, requests: list, device) -> Tensor:
+    """The global row indices of ``requests`` (members of ``spec``, in its order)."""
+    return torch.cat([torch.arange(a, a + n, device=device) for a, n in _runs(spec, requests)])
+
+
+def context_workspace_tokens() -> int:
+    """The context workspace bound, in tokens: :func:`use_context_workspace_tokens`'s (this thread / task),
+    else :func:`set_context_workspace_tokens`'s, else ``$FUSION_PASS_CONTEXT_WORKSPACE_TOKENS``, else
+    :data:`DEFAULT_CONTEXT_WORKSPACE_TOKENS`.
+
+    A call whose fused prefills have at most this many cached context tokens in all runs one attention
+    over a workspace of context + new keys; beyond it the context is attended in chunks of at most this
+    many tokens and the parts are merged by log-sum-exp (:func:`run_prefills`)."""
+    scoped = _workspace_scoped.get()
+    if scoped is not None:
+        return scoped
+    if _workspace_override is not None:
+        return _workspace_override
+    raw = os.environ.get(CONTEXT_WORKSPACE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CONTEXT_WORKSPACE_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{CONTEXT_WORKSPACE_ENV}={raw!r} must be a positive number of tokens")
+    return value
+
+
+def _check_tokens(source: str, tokens) -> None:
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"{source}: tokens must be a positive int or None, got {tokens!r}")
+
+
+def set_context_workspace_tokens(tokens: int | None) -> int | None:
+    """Set the process-wide context workspace bound (``None``: back to the environment / default);
+    returns the previous setting."""
+    global _workspace_override
+    _check_tokens("set_context_workspace_tokens", tokens)
+    previous, _workspace_override = _workspace_override, tokens
+    return previous
+
+
+@contextmanager
+def use_context_workspace_tokens(tokens: int | None) -> Iterator[int | None]:
+    """The context workspace bound inside the ``with`` block, for the calling thread / task only (like
+    :func:`use_backend`); ``None`` leaves it to :func:`set_context_workspace_tokens` and the environment."""
+    _check_tokens("use_context_workspace_tokens", tokens)
+    token = _workspace_scoped.set(tokens)
+    try:
+        yield tokens
+    finally:
+        _workspace_scoped.reset(token)
+
+
+def _cu(lengths: list[int], device, first: int = 0) -> Tensor:
+    out, total = [first], first
+    for n in lengths:
+        total += n
+        out.append(total)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _interleave(context: Tensor, new: Tensor, context_lens: list[int], query_lens: list[int]) -> Tensor:
+    """Per request its context rows then its new rows: ``[sum(context_lens) + sum(query_lens), ...]``."""
+    pieces, c, n = [], 0, 0
+    for lc, lq in zip(context_lens, query_lens):
+        pieces += [context[c:c + lc], new[n:n + lq]]
+        c, n = c + lc, n + lq
+    return torch.cat(pieces)
+
+
+def _context_chunks(context_lens: list[int], width: int):
+    """``(lo, hi, lengths)`` per chunk of the packed context rows: chunk ``j`` is rows ``[j*width, (j+1)*width)``
+    of the packed context, ``lengths`` how many of them each request has (0 for most requests of a
+    chunk). ``ceil(sum(context_lens) / width)`` chunks, each at most ``width`` keys."""
+    starts = [0]
+    for n in context_lens:
+        starts.append(starts[-1] + n)
+    for lo in range(0, starts[-1], width):
+        hi = min(lo + width, starts[-1])
+        yield lo, hi, [max(0, min(b, hi) - max(a, lo)) for a, b in zip(starts[:-1], starts[1:])]
+
+
+ContextRows = Callable[[int, int], "tuple[Tensor, Tensor]"]
+"""``rows(lo, hi) -> (k, v)``: rows ``[lo, hi)`` of the prefills' packed cached context as keys ``[hi - lo, Hk,
+Dqk]`` and values ``[hi - lo, Hk, Dv]`` in the query dtype, made on demand (MLA: the cached latents of those rows
+up-projected), so that at most one workspace's worth is ever materialized."""
+
+
+def packed_rows(pieces: list[Tensor], lo: int, hi: int) -> Tensor:
+    """Rows ``[lo, hi)`` of the concatenation of ``pieces`` (each ``[n_i, ...]``), without building it."""
+    out, start = [], 0
+    for piece in pieces:
+        end = start + piece.shape[0]
+        if end > lo and start < hi:
+            out.append(piece[max(lo, start) - start: min(hi, end) - start])
+        start = end
+    if not out:
+        return pieces[0][:0]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: int, query_lens: list[int],
+                 context_lens: list[int], context: ContextRows | None, softmax_scale: float,
+                 output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
+                 workspace_tokens: int | None = None) -> None:
+    """Fused NVFP4 attention of a run of prefills, some with cached context, written at their rows.
+
+    Args:
+        q: ``[T, H, Dqk]``, the call's rows; the prefills are rows ``[first_row, first_row + sum(query_lens))``
+            in order; ``k [T, Hk, Dqk]`` / ``v [T, Hk, Dv]`` their new keys/values at the same rows (other rows
+            are not read).
+        query_lens, context_lens: per prefill (host ints), its new tokens and cached context tokens.
+        context: the prefills' cached context, packed in request order (:data:`ContextRows`; None when no
+            prefill has context). Asked for all ``C = sum(context_lens)`` rows at once within the bound, for
+            at most ``bound`` rows at a time beyond it.
+        output, output_scale, output_block_scale: the call's NVFP4 buffers (``T`` rows).
+        workspace_tokens: the bound (default :func:`context_workspace_tokens`).
+
+    Within the bound: one fused call whose keys are, per request, its context then its new tokens (a
+    ``[C + sum(query_lens), Hk, D]`` workspace). Beyond it: ``ceil(C / bound)`` context chunks of at most
+    ``bound`` rows, each attended (non-causally) with its log-sum-exp and merged in float32, then the new
+    tokens (causally), merged into NVFP4 by the backend's merge kernel.
+
+    Rows ``< first_row`` are not written; the scale padding (rows ``>= T``, padded columns) is zeroed. Rows
+    written by anyone else go in after this call all the same (a backend's entry point may zero more).
+    """
+    total_context = sum(context_lens)
+    _check_tokens("run_prefills(workspace_tokens)", workspace_tokens)
+    if total_context and context is None:
+        raise ValueError(f"run_prefills: context_lens sum to {total_context} cached tokens but context is None")
+    bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
+    cu_q = _cu(query_lens, q.device, first_row)
+    max_q = max(query_lens)
+    if total_context == 0:
+        backend.run_varlen(q, k, v, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale)
+        return
+    rows = slice(first_row, first_row + sum(query_lens))
+    if total_context <= bound:
+        k_context, v_context = context(0, total_context)
+        k_ws = _interleave(k_context, k[rows], context_lens, query_lens)
+        v_ws = _interleave(v_context, v[rows], context_lens, query_lens)
+        key_lens = [a + b for a, b in zip(context_lens, query_lens)]
+        backend.run_varlen(q, k_ws, v_ws, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale,
+                           cu_seqlens_k=_cu(key_lens, q.device), max_seqlen_k=max(key_lens))
+        return
+    q_p, k_p, v_p = q[rows], k[rows], v[rows]
+    cu_p = _cu(query_lens, q.device)
+    acc = None
+    for lo, hi, lengths in _context_chunks(context_lens, bound):
+        k_chunk, v_chunk = context(lo, hi)
+        part = backend.attention_lse(q_p, k_chunk, v_chunk, cu_p, max_q, _cu(lengths, q.device), max(lengths),
+                                     softmax_scale, False)
+        acc = part if acc is None else merge_attention(acc[0], acc[1], part[0], part[1])
+    new = backend.attention_lse(q_p, k_p, v_p, cu_p, max_q, cu_p, max_q, softmax_scale, True)
+    t = q.shape[0]
+    packed, scales = _nvfp4_views(output, output_block_scale, t)
+    backend.merge_nvfp4(acc[0], acc[1], new[0], new[1], output_scale, packed, scales, first_row)
+    nvfp4.zero_scale_padding(scales, t, packed.shape[1] * 2)
+
+
+def run_on_prefill(backend: Any, impl: Any, inputs: tuple, spec: Any,
+                   output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
+    """The fused backend on the rows of the requests it :func:`fuses`, at their global rows (:func:`run_prefills`:
+    prefills with cached context attend to it); every other row computed as the unfused graph computes it and
+    post-quantized into its rows.
+
+    The fused kernel runs first, once, over every prefill request (``cu_seqlens`` from the first prefill row
+    ``D``): its epilogue writes rows ``[D, T)`` and its entry point zeroes scale padding, which may reach into
+    the last 128-row tile. The rows it must not own are then overwritten: decode rows and prefills with
+    cached context the backend does not run (their key/value rows in the kernel's input are zeros, so the
+    kernel's values for them are discarded), computed by the layer's float32 runtime, rounded to the query
+    dtype and written by the row-range quantizer, which touches no other row.
+    """
+    q = inputs[0] if inputs[0].stride(-1) == 1 else inputs[0].contiguous()  # the kernels' layout
+    t, d = spec.num_tokens, spec.num_decode_tokens
+    fused = [r for r in spec.requests if fuses(backend, r)]
+    exact = [r for r in spec.requests if not fuses(backend, r)]
+    prefills = spec.requests[spec.num_decodes:]
+    # the common case, every prefill fused: their rows are [D, T), a view; else gathered
+    fused_rows = slice(d, t) if len(fused) == len(prefills) else _rows(spec, fused, q.device)
+    _, k, v, context = prefill_qkv_and_context(impl, tuple(x[fused_rows] for x in inputs), _sub_batch(spec, fused))
+    if k.shape[0] != t:  # the kernel reads rows at their global index: place them in T-row buffers
+        k_all, v_all = k.new_zeros((t, *k.shape[1:])), v.new_zeros((t, *v.shape[1:]))
+        k_all[fused_rows], v_all[fused_rows] = k, v
+        k, v = k_all, v_all
+    if exact:
+        out = impl.forward(*(x[_rows(spec, exact, q.device)] for x in inputs), _sub_batch(spec, exact)).to(q.dtype)
+    run_prefills(backend, q, k, v, first_row=d, query_lens=[r.query_len for r in prefills],
+                 context_lens=[r.context_len if fuses(backend, r) else 0 for r in prefills],
+                 context=context, softmax_scale=impl.softmax_scale,
+                 output=output, output_scale=output_scale, output_block_scale=output_block_scale)
+    offset = 0
+    for start, length in _runs(spec, exact):  # one row-range launch per run of adjacent rows (all decodes: one)
+        post_quantize_rows(out[offset:offset + length], output_scale, output, output_block_scale, start, t)
+        offset += length
