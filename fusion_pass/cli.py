@@ -140,11 +140,18 @@ def _run_dump(args: argparse.Namespace) -> int:
 
 
 def _run_backends() -> int:
-    from fusion_pass.backends import list_backends
+    from fusion_pass.backends import BACKEND_ENV, configured_backend, list_backends
+    from fusion_pass.prefill import CONTEXT_WORKSPACE_ENV, context_workspace_tokens
 
     for entry in list_backends():
         state = "available" if entry["available"] else "unavailable"
         print(f"{entry['name']:<10} {state:<12} {entry['reason']}")
+    try:
+        print(f"\nchoice: {configured_backend()} ({BACKEND_ENV}); context workspace bound: "
+              f"{context_workspace_tokens()} tokens ({CONTEXT_WORKSPACE_ENV})")
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     return 0
 
 

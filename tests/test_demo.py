@@ -157,7 +157,7 @@ def test_cli_demo_times_by_default_on_cuda_only(monkeypatch, capsys):
     assert "CUDA events" in capsys.readouterr().out
 
 
-def test_cli_dump_and_backends(tmp_path, capsys):
+def test_cli_dump_and_backends(tmp_path, capsys, clean_backend_state):
     assert cli.main(["dump", "--out", str(tmp_path), "--tiny", "--model", "mla", "--layers", "1"]) == 0
     assert sorted(p.name for p in tmp_path.glob("graph_*"))[:3] == [
         "graph_000_after.py", "graph_000_before.py", "graph_000_report.json"]
@@ -165,7 +165,15 @@ def test_cli_dump_and_backends(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["backends"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == ["fa4", "triton", "reference"]
+    assert [line.split()[0] for line in lines[:3]] == ["fa4", "triton", "reference"]
+    assert lines[-1] == ("choice: auto (FUSION_PASS_BACKEND); context workspace bound: 65536 tokens "
+                         "(FUSION_PASS_CONTEXT_WORKSPACE_TOKENS)")
+
+
+def test_cli_backends_names_a_bad_workspace_setting(capsys, monkeypatch):
+    monkeypatch.setenv("FUSION_PASS_CONTEXT_WORKSPACE_TOKENS", "lots")
+    assert cli.main(["backends"]) == 1
+    assert "FUSION_PASS_CONTEXT_WORKSPACE_TOKENS='lots' must be a positive number of tokens" in capsys.readouterr().err
 
 
 def test_cli_help_and_bad_arguments(capsys):
