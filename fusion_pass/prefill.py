@@ -12,8 +12,8 @@ into what a fused backend's kernel takes and writes them back:
   call's cached context fits the workspace bound (:func:`context_workspace_tokens`), else context chunks of
   at most that many keys, each with its log-sum-exp, merged into NVFP4 by the backend's merge kernel;
 * :func:`run_on_prefill`: a whole call: the prefill rows through :func:`run_prefills` first, then every row
-  the backend does not write (decode rows; prefills with context when the backend does not
-  ``handles_context``) computed as the unfused graph computes it and written by the row-range quantizer
+  the backend does not write (decode rows; prefills with context when the backend's ``handles_context``
+  is False) computed as the unfused graph computes it and written by the row-range quantizer
   (:func:`post_quantize_rows`), which touches no other row.
 
 A backend here is anything with ``run_varlen`` / ``attention_lse`` / ``merge_nvfp4``
