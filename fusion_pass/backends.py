@@ -205,16 +205,24 @@ def run_fused_kernel(kernel: Callable[..., None], q: Tensor, k: Tensor, v: Tenso
 
 def _attention_lse(kernel_backend: str, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k,
                    softmax_scale, causal) -> tuple[Tensor, Tensor]:
-    from fusion_pass.kernels import attention_with_lse
+    """The chunked-context path's partial attention: the kernels' unvalidated call (no host sync on the GPU)."""
+    from fusion_pass.kernels import attention_with_lse_varlen
 
-    return attention_with_lse(q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
-                              causal=causal, softmax_scale=softmax_scale, backend=kernel_backend)
+    return attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_k=cu_seqlens_k,
+                                     max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+                                     backend=kernel_backend)
 
 
 def _merge_nvfp4(kernel_backend: str, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
-    from fusion_pass.kernels.merge_nvfp4 import merge_attention_nvfp4
+    """The chunked-context path's last merge: the Triton launcher (unvalidated, no host sync) or the
+    reference entry point."""
+    from fusion_pass.kernels import merge_nvfp4
 
-    merge_attention_nvfp4(out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start, backend=kernel_backend)
+    if kernel_backend == "triton":
+        merge_nvfp4.merge_attention_nvfp4_launch(out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)
+    else:
+        merge_nvfp4.merge_attention_nvfp4(out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start,
+                                          backend=kernel_backend)
 
 
 # ---------------------------------------------------------------------------

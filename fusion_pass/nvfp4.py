@@ -35,6 +35,7 @@ __all__ = [
     "round_up",
     "scale_shape",
     "swizzled_offset",
+    "row_scale_offsets",
     "swizzle_scales",
     "unswizzle_scales",
     "quantize",
@@ -105,6 +106,15 @@ def swizzled_offset(m, c, n_blocks: int):
     kt = round_up(n_blocks, _SWIZZLE_COLS) // _SWIZZLE_COLS
     tile = (m // 128) * kt + c // 4
     return tile * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + c % 4
+
+
+def row_scale_offsets(start: int, stop: int, n_blocks: int, device=None) -> torch.Tensor:
+    """Flat byte offsets (int64 ``[(stop - start) * round_up(n_blocks, 4)]``, row by row) of every scale of
+    rows ``[start, stop)`` in a swizzled buffer whose rows hold ``n_blocks`` block scales, the padding
+    columns included: the bytes that belong to those rows and to no other."""
+    rows = torch.arange(start, stop, device=device)
+    cols = torch.arange(round_up(n_blocks, _SWIZZLE_COLS), device=device)
+    return swizzled_offset(rows[:, None], cols[None, :], n_blocks).reshape(-1)
 
 
 def swizzle_scales(scales_linear: torch.Tensor) -> torch.Tensor:
@@ -445,9 +455,8 @@ def _write_rows(x, global_scale, packed, scales, row_start: int) -> None:
     # the rows' scale bytes, padding columns (c >= K/16) included: they belong to the row
     row_bytes = torch.zeros((m, cols), dtype=torch.uint8, device=x.device)
     row_bytes[:, :n_blocks] = rows_scales.view(torch.uint8)
-    rows = torch.arange(row_start, row_start + m, device=x.device)
-    offsets = swizzled_offset(rows[:, None], torch.arange(cols, device=x.device)[None, :], n_blocks)
-    scales.view(torch.uint8).view(-1)[offsets.flatten()] = row_bytes.flatten()
+    offsets = row_scale_offsets(row_start, row_start + m, n_blocks, x.device)
+    scales.view(torch.uint8).view(-1)[offsets] = row_bytes.flatten()
     packed[row_start : row_start + m] = rows_packed
 
 

@@ -70,6 +70,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "attention",
     "attention_nvfp4",
+    "attention_with_lse_varlen",
     "attention_with_lse",
     "quantize",
     "QUANT_BACKENDS",
@@ -347,19 +348,40 @@ def attention_with_lse(
     chosen, scale, max_seqlen_k = _check_attention(
         fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k, max_seqlen_k
     )
-    if chosen == "triton":
+    return attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                     cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
+                                     causal=causal, backend=chosen)
+
+
+def attention_with_lse_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_k: int | None,
+    softmax_scale: float,
+    causal: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    """:func:`attention_with_lse`'s body for the fused backends' chunked-context path: arguments trusted
+    (the backend built them), ``backend`` one of ``triton``, ``fa4``, ``reference``; no host
+    synchronization on ``triton`` and ``fa4``."""
+    if backend == "triton":
         from fusion_pass.kernels.flash_attention import flash_attention
 
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
         lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
-        flash_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=scale, out=out,
+        flash_attention(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, out=out,
                         cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, lse=lse)
         return out, lse
-    if chosen == "fa4":
-        out, lse = fa4_attention_varlen(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=scale,
+    if backend == "fa4":
+        out, lse = fa4_attention_varlen(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale,
                                         cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, return_lse=True)
         return out.float(), lse
-    return _reference(q, k, v, cu_seqlens, causal, scale, cu_seqlens_k)
+    return _reference(q, k, v, cu_seqlens, causal, softmax_scale, cu_seqlens_k)
 
 
 def _check_attention(fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k,

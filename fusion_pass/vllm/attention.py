@@ -321,10 +321,10 @@ def _cached_latents(block_table, kv_cache, context_lens: list[int], lo: int, hi:
     """
     device = kv_cache.device
     lens = torch.tensor(context_lens, dtype=torch.long, device=device)
-    starts = torch.cumsum(lens, 0) - lens
+    ends = torch.cumsum(lens, 0)
     rows = torch.arange(lo, hi, device=device)
-    request = torch.searchsorted(torch.cumsum(lens, 0), rows, right=True)
-    position = rows - starts[request]
+    request = torch.searchsorted(ends, rows, right=True)
+    position = rows - (ends - lens)[request]
     block_size = kv_cache.shape[1]
     blocks = block_table.to(device)[request, position // block_size].long()
     return kv_cache[blocks, position % block_size]
@@ -409,9 +409,7 @@ def _run_decode_rows(layer, md, kv_cache, inputs, decode: int, output_scale, pac
     rows_scales = torch.empty(rows, cols, dtype=torch.uint8, device=q.device).view(output_block_scale.dtype)
     _quant_op()(tmp, output_scale, True, output=rows_packed, output_scale=rows_scales)
     packed[:decode].copy_(rows_packed)
-    offsets = nvfp4.swizzled_offset(torch.arange(decode, device=q.device)[:, None],
-                                    torch.arange(cols, device=q.device)[None, :], width // nvfp4.BLOCK_SIZE)
-    offsets = offsets.reshape(-1)
+    offsets = nvfp4.row_scale_offsets(0, decode, width // nvfp4.BLOCK_SIZE, q.device)
     scale_bytes[offsets] = rows_scales.view(torch.uint8).view(-1)[offsets]
 
 
