@@ -283,8 +283,9 @@ def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: in
 
     Args:
         q: ``[T, H, Dqk]``, the call's rows; the prefills are rows ``[first_row, first_row + sum(query_lens))``
-            in order; ``k [T, Hk, Dqk]`` / ``v [T, Hk, Dv]`` their new keys/values at the same rows (other rows
-            are not read).
+            in order.
+        k, v: ``[sum(query_lens), Hk, Dqk]`` / ``[sum(query_lens), Hk, Dv]``: the prefills' new keys and values,
+            row ``i`` belonging to query row ``first_row + i``.
         query_lens, context_lens: per prefill (host ints), its new tokens and cached context tokens.
         context: the prefills' cached context, packed in request order (:data:`ContextRows`; None when no
             prefill has context). Asked for all ``C = sum(context_lens)`` rows at once within the bound, for
@@ -307,19 +308,20 @@ def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: in
     bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
     cu_q = _cu(query_lens, q.device, first_row)
     max_q = max(query_lens)
-    if total_context == 0:
-        backend.run_varlen(q, k, v, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale)
+    if total_context == 0:  # keys are the queries' own tokens; past row 0 they are indexed from 0
+        cu_k = None if first_row == 0 else _cu(query_lens, q.device)
+        backend.run_varlen(q, k, v, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale,
+                           cu_seqlens_k=cu_k, max_seqlen_k=None if cu_k is None else max_q)
         return
-    rows = slice(first_row, first_row + sum(query_lens))
     if total_context <= bound:
         k_context, v_context = context(0, total_context)
-        k_ws = _interleave(k_context, k[rows], context_lens, query_lens)
-        v_ws = _interleave(v_context, v[rows], context_lens, query_lens)
+        k_ws = _interleave(k_context, k, context_lens, query_lens)
+        v_ws = _interleave(v_context, v, context_lens, query_lens)
         key_lens = [a + b for a, b in zip(context_lens, query_lens)]
         backend.run_varlen(q, k_ws, v_ws, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale,
                            cu_seqlens_k=_cu(key_lens, q.device), max_seqlen_k=max(key_lens))
         return
-    q_p, k_p, v_p = q[rows], k[rows], v[rows]
+    q_p = q[first_row:first_row + sum(query_lens)]
     cu_p = _cu(query_lens, q.device)
     acc = None
     for lo, hi, lengths in _context_chunks(context_lens, bound):
@@ -327,7 +329,7 @@ def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: in
         part = backend.attention_lse(q_p, k_chunk, v_chunk, cu_p, max_q, _cu(lengths, q.device), max(lengths),
                                      softmax_scale, False)
         acc = part if acc is None else merge_attention(acc[0], acc[1], part[0], part[1])
-    new = backend.attention_lse(q_p, k_p, v_p, cu_p, max_q, cu_p, max_q, softmax_scale, True)
+    new = backend.attention_lse(q_p, k, v, cu_p, max_q, cu_p, max_q, softmax_scale, True)
     t = q.shape[0]
     packed, scales = _nvfp4_views(output, output_block_scale, t)
     backend.merge_nvfp4(acc[0], acc[1], new[0], new[1], output_scale, packed, scales, first_row)
@@ -355,9 +357,9 @@ def run_on_prefill(backend: Any, impl: Any, inputs: tuple, spec: Any,
     # the common case, every prefill fused: their rows are [D, T), a view; else gathered
     fused_rows = slice(d, t) if len(fused) == len(prefills) else _rows(spec, fused, q.device)
     _, k, v, context = prefill_qkv_and_context(impl, tuple(x[fused_rows] for x in inputs), _sub_batch(spec, fused))
-    if k.shape[0] != t:  # the kernel reads rows at their global index: place them in T-row buffers
-        k_all, v_all = k.new_zeros((t, *k.shape[1:])), v.new_zeros((t, *v.shape[1:]))
-        k_all[fused_rows], v_all[fused_rows] = k, v
+    if len(fused) != len(prefills):  # keys of every prefill row in order; the unfused prefills' are zeros
+        k_all, v_all = k.new_zeros((t - d, *k.shape[1:])), v.new_zeros((t - d, *v.shape[1:]))
+        k_all[fused_rows - d], v_all[fused_rows - d] = k, v
         k, v = k_all, v_all
     if exact:
         out = impl.forward(*(x[_rows(spec, exact, q.device)] for x in inputs), _sub_batch(spec, exact)).to(q.dtype)

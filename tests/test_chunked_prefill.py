@@ -281,7 +281,7 @@ def test_beyond_the_bound_every_chunk_holds_at_most_bound_keys_and_there_are_as_
         spy = _SpyBackend()
         packed = torch.full((t, h * dv // 2), 0xAB, dtype=torch.uint8, device=DEVICE)
         scales = torch.full((rows, cols), 0xAB, dtype=torch.uint8, device=DEVICE)
-        prefill.run_prefills(spy, q, k, v, first_row=3, query_lens=query_lens, context_lens=context_lens,
+        prefill.run_prefills(spy, q, k[3:], v[3:], first_row=3, query_lens=query_lens, context_lens=context_lens,
                               context=context, softmax_scale=0.2, output=packed, output_scale=gs,
                               output_block_scale=scales, workspace_tokens=workspace)
         outs.append((packed, scales, spy.chunk_keys, asked[:]))

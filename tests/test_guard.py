@@ -843,12 +843,15 @@ class _ClobberingKernelBackend:
     def run(self, impl, inputs, spec, output, output_scale, output_block_scale):
         prefill.run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
 
-    def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale, output_block_scale):
+    def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale, output_block_scale,
+                   cu_seqlens_k=None, max_seqlen_k=None):
         from fusion_pass.kernels import reference_attention
 
         output_block_scale.view(torch.uint8).zero_()
         a, b = int(cu_seqlens[0]), int(cu_seqlens[-1])
-        out = reference_attention(q[a:b], k[a:b], v[a:b], cu_seqlens - a, True, softmax_scale)
+        if cu_seqlens_k is None:
+            k, v = k[a:b], v[a:b]
+        out = reference_attention(q[a:b], k, v, cu_seqlens - a, True, softmax_scale, cu_seqlens_k=cu_seqlens_k)
         t = q.shape[0]
         prefill.post_quantize_rows(out, output_scale, output, output_block_scale, a, t)
 

@@ -349,18 +349,12 @@ def _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, first_row: int, context_le
         kv_c_normed: ``[n, L]``; k_pe: ``[n, 1, R]`` (the call's rows; decode rows first).
 
     Returns:
-        ``k [n, H, Dqk]``, ``v [n, H, Dv]`` (rows ``< first_row`` not written) in ``kv_b_proj``'s output
-        dtype, and the context source (None when no prefill has context).
+        ``k [n - first_row, H, Dqk]``, ``v [n - first_row, H, Dv]`` in ``kv_b_proj``'s output dtype, and
+        the context source (None when no prefill has context).
     """
-    n = kv_c_normed.shape[0]
     lora = layer.kv_lora_rank
     latent = kv_c_normed[first_row:]
-    k_new, v_new = _expand(layer, latent, k_pe[first_row:].reshape(latent.shape[0], -1))
-    if first_row:
-        k, v = k_new.new_empty(n, *k_new.shape[1:]), v_new.new_empty(n, *v_new.shape[1:])
-        k[first_row:], v[first_row:] = k_new, v_new
-    else:
-        k, v = k_new, v_new
+    k, v = _expand(layer, latent, k_pe[first_row:].reshape(latent.shape[0], -1))
     if not sum(context_lens):
         return k, v, None
 
