@@ -6,7 +6,7 @@ and at 128 heads, MHA 128/128 at 32 heads; Hkv = H; batches of 32 x 512,
 
   fused         flash_attention_nvfp4: attention with the NVFP4 output written
                 by the kernel epilogue (packed uint8 + swizzled fp8 scales);
-  unfused       flash_attention (bf16 output) + nvfp4_quant.quantize of it;
+  unfused       flash_attention (bf16 output) + nvfp4_quant.quantize_launch of it;
   cuDNN + quant torch SDPA with the cuDNN backend on [B, H, S, D] views,
                 transpose/reshape of its output to [T, H*Dv], then the same
                 quantize (the transpose/reshape is inside the timed region);
@@ -173,14 +173,14 @@ class Kernels(NamedTuple):
     fa4_attention: Callable | None = None  # fa4_attention_varlen; None: FA4 unavailable (fa4_reason says why)
     fa4_attention_nvfp4: Callable | None = None  # fa4_attention_nvfp4_varlen
     fa4_reason: str = "not loaded"
-    quantize_rows_into: Callable | None = None  # the row-range launcher (nvfp4_quant.quantize_rows_into)
+    quantize_rows_into: Callable | None = None  # the row-range launcher (nvfp4_quant.quantize_rows_launch)
 
 
 def load_kernels() -> Kernels:
     """Import the launchers from fusion_pass.kernels (the FA4 ones when FA4 runs on this GPU)."""
-    from fusion_pass.kernels import fa4_sm90
-    from fusion_pass.kernels.flash_attention import flash_attention, flash_attention_nvfp4
-    from fusion_pass.kernels.nvfp4_quant import quantize, quantize_rows_into
+    from fusion_pass.kernels.fa4 import sm90 as fa4_sm90
+    from fusion_pass.kernels.triton.flash_attention import flash_attention, flash_attention_nvfp4
+    from fusion_pass.kernels.triton.quantize import quantize_launch as quantize, quantize_rows_launch as quantize_rows_into
 
     ok, why = fa4_sm90.fa4_sm90_usable("cuda", DTYPE, 16, 192, 128)
     if not ok:
@@ -777,7 +777,7 @@ def render_docs_section(results: dict, meta: dict) -> str:
         f"medians of `triton.testing.do_bench` (warm-up {timing.get('warmup_ms', '?')} ms, "
         f"{timing.get('rep_ms', '?')} ms of repetitions, L2 flushed before each). "
         "Fused = `flash_attention_nvfp4` (NVFP4 written by the kernel); unfused = `flash_attention` (bf16) + "
-        "`nvfp4_quant.quantize`; cuDNN + quant = SDPA with the cuDNN backend on [B, H, S, D] views, "
+        "`nvfp4_quant.quantize_launch`; cuDNN + quant = SDPA with the cuDNN backend on [B, H, S, D] views, "
         "`.transpose(1, 2).reshape(T, H*Dv)` and the same quantize (all timed). Global scale = 448 * 6 / amax "
         "of the bf16 attention output. TFLOP/s count QK^T and PV over the causal half, diagonal included. "
         "FA4 fused = `fa4_attention_nvfp4_varlen` (FlashAttention-4's SM90 kernel with our NVFP4 epilogue); "

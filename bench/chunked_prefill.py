@@ -7,7 +7,7 @@ script times, on a CUDA device with the ``fa4`` backend available:
                    keys context + new (``cu_seqlens_k``), from a ready key/value workspace
   fa4_quant        the strongest unfused baseline a Hopper user has: FA4's own bf16 forward over the same keys,
                    then the NVFP4 quantizer
-  run_prefills     ``fusion_pass.prefill.run_prefills`` within the bound: the workspace laid out from context
+  run_prefills     ``fusion_pass.runtime.row_plan.run_prefills`` within the bound: the workspace laid out from context
                    and new keys (a copy), then the fused call
   merge_path       ``run_prefills`` beyond the bound (the bound set to a quarter of the context): FA4 forwards
                    with their log-sum-exp per context chunk, float32 merges, and the NVFP4 merge kernel
@@ -54,8 +54,9 @@ def _bench(fn) -> float:
 
 
 def measure(case: Case, seed: int) -> dict:
-    from fusion_pass import backends, kernels, nvfp4, prefill
-    from fusion_pass.kernels.nvfp4_quant import quantize  # the unvalidated launcher, as the ops call it
+    from fusion_pass import kernels, nvfp4
+    from fusion_pass.runtime import backends, row_plan, settings
+    from fusion_pass.kernels.triton.quantize import quantize_launch as quantize  # the unvalidated launcher, as the ops call it
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     h, b, lq, lc = case.heads, case.batch, case.lq, case.lc
@@ -96,7 +97,7 @@ def measure(case: Case, seed: int) -> dict:
     fa4 = backends.get_backend("fa4")
 
     def prefills(bound):
-        return lambda: prefill.run_prefills(
+        return lambda: row_plan.run_prefills(
             fa4, q, k, v, first_row=0, query_lens=query_lens, context_lens=context_lens,
             context=lambda lo, hi: (k_ctx[lo:hi], v_ctx[lo:hi]), softmax_scale=scale, output=packed, output_scale=gs, output_block_scale=scales,
             workspace_tokens=bound)
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("chunked_prefill: needs a CUDA device (the fa4 backend's SM90 kernel); nothing timed", file=sys.stderr)
         return 2
-    from fusion_pass import backends
+    from fusion_pass.runtime import backends, settings
 
     ok, why = backends.get_backend("fa4").available()
     if not ok:

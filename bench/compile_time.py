@@ -23,8 +23,9 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch  # noqa: E402
 
-from fusion_pass import FusionPass, demo, runtime  # noqa: E402
-from fusion_pass.models import release_layers  # noqa: E402
+from fusion_pass import FusionPass, runtime  # noqa: E402
+from fusion_pass.demo import workload as demo
+from fusion_pass.demo.models import release_layers  # noqa: E402
 
 
 def time_compile(model, hidden_size: int, fusion) -> tuple[float, float]:

@@ -9,7 +9,7 @@ reported under two guards:
                      tokens count as fused only when the step has no decode
                      token and no prefill with cached context;
   this               the project's guard, measured: the per-token counters of
-                     fusion_pass.guard.counters()["tokens"] summed over the
+                     fusion_pass.runtime.counters.counters()["tokens"] summed over the
                      steps, prefill_fused / prefill.
 
 The schedule (pure Python, seeded, deterministic): requests arrive as a
@@ -62,10 +62,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("fusion_pass") is None:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-from fusion_pass import demo, guard, prefill, runtime  # noqa: E402
-from fusion_pass.fusion import FusionPass  # noqa: E402
-from fusion_pass.models import release_layers  # noqa: E402
-from fusion_pass.models.common import MAX_POSITION  # noqa: E402
+from fusion_pass import runtime  # noqa: E402
+from fusion_pass.demo import workload as demo
+from fusion_pass.runtime import counters, guard, row_plan, settings
+from fusion_pass.compile.graph_pass import FusionPass  # noqa: E402
+from fusion_pass.demo.models import release_layers  # noqa: E402
+from fusion_pass.demo.models.common import MAX_POSITION  # noqa: E402
 from fusion_pass.runtime import BatchSpec, RequestSpec  # noqa: E402
 
 # --------------------------------------------------------------------------
@@ -284,19 +286,19 @@ def schedule_stats(steps: list[Step]) -> dict:
 # --------------------------------------------------------------------------
 
 NO_TOKEN_COUNTERS = (
-    "the installed fusion_pass has no per-token counters: fusion_pass.guard.counters() has no 'tokens' key "
+    "the installed fusion_pass has no per-token counters: fusion_pass.runtime.counters.counters() has no 'tokens' key "
     "(expected {'prefill': int, 'prefill_fused': int, 'post_quantized': {reason: int}}), so the guard's fused "
     "fraction cannot be measured. --schedule-only reports the schedule and the pure-prefill gate without it."
 )
 
 
 class MissingTokenCounters(RuntimeError):
-    """``fusion_pass.guard.counters()`` has no ``"tokens"`` entry."""
+    """``fusion_pass.runtime.counters.counters()`` has no ``"tokens"`` entry."""
 
 
 def token_counters() -> dict:
-    """``guard.counters()["tokens"]``: ``{"prefill", "prefill_fused", "post_quantized": {reason: n}}``."""
-    tokens = guard.counters().get("tokens")
+    """``counters.counters()["tokens"]``: ``{"prefill", "prefill_fused", "post_quantized": {reason: n}}``."""
+    tokens = counters.counters().get("tokens")
     if tokens is None:
         raise MissingTokenCounters(NO_TOKEN_COUNTERS)
     return tokens
@@ -598,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         note = None if args.device == "cuda" else "CPU run: timing needs --device cuda (CUDA events)"
         try:
-            with prefill.use_context_workspace_tokens(args.workspace_tokens):
+            with settings.use_context_workspace_tokens(args.workspace_tokens):
                 run = run_trace(steps, model_name=args.model, tiny=args.tiny, device=args.device,
                                 layers=args.layers, timing=args.device == "cuda", warmup=args.warmup,
                                 repeats=args.repeats)
@@ -607,8 +609,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     doc = results_json(cfg, steps, run, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
                        timing_note=note)
-    with prefill.use_context_workspace_tokens(args.workspace_tokens):
-        doc["config"]["context_workspace_tokens"] = prefill.context_workspace_tokens()
+    with settings.use_context_workspace_tokens(args.workspace_tokens):
+        doc["config"]["context_workspace_tokens"] = settings.context_workspace_tokens()
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     print(summary(doc))

@@ -7,8 +7,8 @@ Times (median, ``triton.testing.do_bench``) the NVFP4 quantizer over a few
 ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` on the benchmark's MLA 128-head
 and MHA 32-head shapes; prints the best per shape and writes every timing to
 ``DIR/tune.json``. The chosen defaults live in
-``fusion_pass.kernels.nvfp4_quant.QUANT_CONFIG`` and
-``fusion_pass.kernels.flash_attention.attention_config``.
+``fusion_pass.kernels.triton.quantize.QUANT_CONFIG`` and
+``fusion_pass.kernels.triton.flash_attention.attention_config``.
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ def bench(fn) -> float:
 
 
 def tune_quant(results: dict) -> None:
-    from fusion_pass.kernels import nvfp4_quant
+    from fusion_pass.kernels.triton import quantize as nvfp4_quant
 
     x = torch.randn(16384, 16384, device="cuda", dtype=torch.bfloat16)
     gs = torch.tensor([448 * 6 / float(x.abs().amax())], device="cuda")
     nbytes = x.numel() * 2 + x.numel() // 2 + x.numel() // 16
     rows = []
     for cfg in QUANT_CONFIGS:
-        ms = bench(lambda: nvfp4_quant.quantize(x, gs, config=cfg))
+        ms = bench(lambda: nvfp4_quant.quantize_launch(x, gs, config=cfg))
         rows.append({**cfg, "ms": ms, "TB/s": nbytes / ms / 1e9})
     rows.sort(key=lambda r: r["ms"])
     results["quant"] = rows
@@ -62,7 +62,7 @@ def tune_quant(results: dict) -> None:
 
 
 def tune_attention(results: dict, shapes) -> None:
-    from fusion_pass.kernels import flash_attention as fa
+    from fusion_pass.kernels.triton import flash_attention as fa
 
     for name, heads, dqk, dv, batch, seqlen in shapes:
         t = batch * seqlen

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump = commands.add_parser(
         "dump",
         help="run the demo with graph dumps written to a directory",
-        description="Run the demo with fusion_pass.debug.dump(DIR): per compiled graph graph_NNN_before.py, "
+        description="Run the demo with fusion_pass.compile.debug.dump(DIR): per compiled graph graph_NNN_before.py, "
         "graph_NNN_after.py, graph_NNN_report.json, and depyf's artifacts under DIR/depyf.",
     )
     dump.add_argument("--out", metavar="DIR", required=True, help="directory for the dumps (created if missing)")
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from fusion_pass import demo
+    from fusion_pass.demo import workload as demo
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"fusion-pass {args.command}: --device cuda was asked for but torch sees no CUDA device",
@@ -131,7 +131,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_dump(args: argparse.Namespace) -> int:
-    from fusion_pass import debug
+    from fusion_pass.compile import debug
 
     with debug.dump(args.out) as path:
         status = _run_demo(args)
@@ -140,8 +140,9 @@ def _run_dump(args: argparse.Namespace) -> int:
 
 
 def _run_backends() -> int:
-    from fusion_pass.backends import BACKEND_ENV, configured_backend, list_backends
-    from fusion_pass.prefill import CONTEXT_WORKSPACE_ENV, context_workspace_tokens
+    from fusion_pass.runtime.backends import list_backends
+    from fusion_pass.runtime.settings import (BACKEND_ENV, CONTEXT_WORKSPACE_ENV, configured_backend,
+                                              context_workspace_tokens)
 
     for entry in list_backends():
         state = "available" if entry["available"] else "unavailable"
@@ -156,7 +157,7 @@ def _run_backends() -> int:
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from fusion_pass import process_reports
+    from fusion_pass.compile import process_reports
 
     try:
         summary = process_reports.summarize(args.dir)

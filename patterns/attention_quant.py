@@ -5,7 +5,7 @@ subgraph as a model writes it (mutating ops, eager calls) and of its
 replacement: the attention op writes NVFP4 into the quant's buffers itself.
 ``ops`` is an :class:`~fusion_pass.patterns.vocabulary.OpVocabulary`; the pass
 binds it and traces both functions once per process. The traced pattern drives
-the match (:mod:`fusion_pass.matcher`): its wrapped ops are the anchors the
+the match (:mod:`fusion_pass.compile.matcher`): its wrapped ops are the anchors the
 matcher looks for, in order, and the optional arguments its attention call
 sets (``output_scale``...) say which graph form a candidate node must be in.
 

@@ -19,14 +19,14 @@ if not torch.cuda.is_available():
 def clean_backend_state(monkeypatch):
     """No backend pinned (environment or set_backend), the default context workspace bound, zeroed guard
     counters; restored after."""
-    from fusion_pass import backends, guard, prefill
+    from fusion_pass.runtime import backends, counters, guard, row_plan, settings
 
-    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
-    monkeypatch.delenv(prefill.CONTEXT_WORKSPACE_ENV, raising=False)
-    previous = backends.set_backend(None)
-    previous_workspace = prefill.set_context_workspace_tokens(None)
-    guard.reset_counters()
+    monkeypatch.delenv(settings.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(settings.CONTEXT_WORKSPACE_ENV, raising=False)
+    previous = settings.set_backend(None)
+    previous_workspace = settings.set_context_workspace_tokens(None)
+    counters.reset_counters()
     yield
-    backends.set_backend(previous)
-    prefill.set_context_workspace_tokens(previous_workspace)
-    guard.reset_counters()
+    settings.set_backend(previous)
+    settings.set_context_workspace_tokens(previous_workspace)
+    counters.reset_counters()

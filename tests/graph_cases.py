@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from fusion_pass import layers
+from fusion_pass.demo import layers
 from fusion_pass.ops import scaled_fp4_quant
 
 OPS = torch.ops.fusion_pass

@@ -1,7 +1,7 @@
 """Prefills with cached context on the fused path (chunked prefill, prefix-cache hits), through the real ops.
 
 Generated serving schedules (decodes, new prompts, chunks of prompts with cached context) run through the
-NVFP4 attention ops with a backend whose fused call is :func:`fusion_pass.prefill.run_on_prefill` (the
+NVFP4 attention ops with a backend whose fused call is :func:`fusion_pass.runtime.row_plan.run_on_prefill` (the
 ``fa4``/``triton`` backends' ``run``), on both sides of the context workspace bound: one attention over
 context + new keys (``seqlen_k > seqlen_q``), or context chunks merged by log-sum-exp into NVFP4. Kernels:
 the ``reference`` kernels (float32 PyTorch) and the Triton kernels (compiled on a CUDA device, Triton's interpreter on the CPU).
@@ -19,8 +19,10 @@ import pytest
 import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
-from fusion_pass import backends, guard, kernels, nvfp4, prefill, runtime
-from fusion_pass.demo import requantization_bound
+from fusion_pass import kernels, nvfp4, runtime
+from fusion_pass.runtime import backends, counters, guard, row_plan, settings
+from fusion_pass.kernels import launchers
+from fusion_pass.demo.workload import requantization_bound
 from fusion_pass.ops import scaled_fp4_quant
 
 OPS = torch.ops.fusion_pass
@@ -36,32 +38,30 @@ def _clean_state(clean_backend_state):
 
 class KernelBackend:
     """A fused backend over one kernel family of :mod:`fusion_pass.kernels` (``reference`` or ``triton``),
-    with the ``fa4``/``triton`` backends' ``run``: :func:`fusion_pass.prefill.run_on_prefill`."""
+    run by the row plan as the ``fa4``/``triton`` backends are (:func:`fusion_pass.runtime.row_plan.run_on_prefill`)."""
 
     handles_context = True
 
     def __init__(self, kernel: str) -> None:
         self.name, self.kernel = f"kernels.{kernel}", kernel
 
-    def run(self, impl, inputs, spec, output, output_scale, output_block_scale):
-        prefill.run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
-
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale, output_block_scale,
                    *, cu_seqlens_k=None, max_seqlen_k=None):
         if self.kernel == "triton":
-            backends.run_fused_kernel(kernels.flash_attention_nvfp4_varlen, q, k, v, cu_seqlens, max_seqlen,
-                                      softmax_scale, output, output_scale, output_block_scale,
-                                      cu_seqlens_k, max_seqlen_k)
+            backends.TritonBackend().run_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
+                                                output_block_scale, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
         else:
             backends.ReferenceBackend().run_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale, output,
                                                    output_scale, output_block_scale, cu_seqlens_k=cu_seqlens_k,
                                                    max_seqlen_k=max_seqlen_k)
 
-    def attention_lse(self, *args):
-        return backends._attention_lse(self.kernel, *args)
+    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
+        return launchers.attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                                                   softmax_scale=softmax_scale, causal=causal, backend=self.kernel)
 
     def merge_nvfp4(self, *args):
-        backends._merge_nvfp4(self.kernel, *args)
+        launchers.merge_nvfp4_rows(self.kernel, *args)
 
 
 def _layer(kind, gen):
@@ -140,7 +140,7 @@ def _run_schedule(monkeypatch, kind, kernel, workspace_tokens, steps):
     fake = KernelBackend(kernel)
     monkeypatch.setattr(backends, "select_backend", lambda *a, **k: (fake, f"{fake.name} stand-in"))
     monkeypatch.setattr(backends, "get_backend", lambda name: fake)
-    guard.reset_counters()
+    counters.reset_counters()
     width = impl.num_heads * impl.v_head_dim
     history: dict[str, tuple] = {}
     with_context = 0
@@ -161,7 +161,7 @@ def _run_schedule(monkeypatch, kind, kernel, workspace_tokens, steps):
                 rows, cols = nvfp4.scale_shape(t, width)
                 packed = torch.full((t, width // 2), poison, dtype=torch.uint8, device=DEVICE)
                 scales = torch.full((rows, cols), poison, dtype=torch.uint8, device=DEVICE)
-                with runtime.batch(spec), prefill.use_context_workspace_tokens(workspace_tokens):
+                with runtime.batch(spec), settings.use_context_workspace_tokens(workspace_tokens):
                     op(*inputs, packed, name, gs, scales)
                 got.append((packed, scales))
             where = f"seed {seed}, kind {kind}, kernel {kernel}, workspace {workspace_tokens}, step {spec.requests}"
@@ -193,7 +193,7 @@ def _run_schedule(monkeypatch, kind, kernel, workspace_tokens, steps):
             padding[nvfp4.swizzled_offset(torch.arange(t).unsqueeze(1), torch.arange(n_blocks).unsqueeze(0),
                                           n_blocks).reshape(-1).to(DEVICE)] = False
             assert bool((scales.reshape(-1)[padding] == 0).all()), f"padding: {where}"
-        counts = guard.counters()["tokens"]
+        counts = counters.counters()["tokens"]
         assert counts["prefill_fused"] == counts["prefill"], counts
     finally:
         runtime.unregister_layer(name)
@@ -219,20 +219,20 @@ def test_triton_kernels_fuse_every_prefill_row_of_generated_schedules(monkeypatc
 
 
 def test_context_workspace_bound_is_configurable_and_checked(monkeypatch):
-    monkeypatch.delenv(prefill.CONTEXT_WORKSPACE_ENV, raising=False)
-    assert prefill.context_workspace_tokens() == prefill.DEFAULT_CONTEXT_WORKSPACE_TOKENS
-    monkeypatch.setenv(prefill.CONTEXT_WORKSPACE_ENV, "4096")
-    assert prefill.context_workspace_tokens() == 4096
-    with prefill.use_context_workspace_tokens(12):
-        assert prefill.context_workspace_tokens() == 12
-    assert prefill.context_workspace_tokens() == 4096
+    monkeypatch.delenv(settings.CONTEXT_WORKSPACE_ENV, raising=False)
+    assert settings.context_workspace_tokens() == settings.DEFAULT_CONTEXT_WORKSPACE_TOKENS
+    monkeypatch.setenv(settings.CONTEXT_WORKSPACE_ENV, "4096")
+    assert settings.context_workspace_tokens() == 4096
+    with settings.use_context_workspace_tokens(12):
+        assert settings.context_workspace_tokens() == 12
+    assert settings.context_workspace_tokens() == 4096
     for bad in ("0", "-3", "many"):
-        monkeypatch.setenv(prefill.CONTEXT_WORKSPACE_ENV, bad)
-        with pytest.raises(ValueError, match=prefill.CONTEXT_WORKSPACE_ENV):
-            prefill.context_workspace_tokens()
+        monkeypatch.setenv(settings.CONTEXT_WORKSPACE_ENV, bad)
+        with pytest.raises(ValueError, match=settings.CONTEXT_WORKSPACE_ENV):
+            settings.context_workspace_tokens()
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="tokens"):
-            with prefill.use_context_workspace_tokens(bad):
+            with settings.use_context_workspace_tokens(bad):
                 pass
 
 
@@ -281,7 +281,7 @@ def test_beyond_the_bound_every_chunk_holds_at_most_bound_keys_and_there_are_as_
         spy = _SpyBackend()
         packed = torch.full((t, h * dv // 2), 0xAB, dtype=torch.uint8, device=DEVICE)
         scales = torch.full((rows, cols), 0xAB, dtype=torch.uint8, device=DEVICE)
-        prefill.run_prefills(spy, q, k[3:], v[3:], first_row=3, query_lens=query_lens, context_lens=context_lens,
+        row_plan.run_prefills(spy, q, k[3:], v[3:], first_row=3, query_lens=query_lens, context_lens=context_lens,
                               context=context, softmax_scale=0.2, output=packed, output_scale=gs,
                               output_block_scale=scales, workspace_tokens=workspace)
         outs.append((packed, scales, spy.chunk_keys, asked[:]))
@@ -305,7 +305,7 @@ def test_a_bad_workspace_bound_argument_is_refused_before_anything_runs():
     q = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
     for bad in (0, -5, 1.5):
         with pytest.raises(ValueError, match=r"run_prefills\(workspace_tokens\)"):
-            prefill.run_prefills(KernelBackend("reference"), q, q, q, first_row=0, query_lens=[4], context_lens=[0],
+            row_plan.run_prefills(KernelBackend("reference"), q, q, q, first_row=0, query_lens=[4], context_lens=[0],
                                   context=None, softmax_scale=0.2, output=None, output_scale=None,
                                   output_block_scale=None, workspace_tokens=bad)
 
@@ -316,7 +316,7 @@ def test_an_empty_part_of_a_merge_is_ignored_whatever_its_output_holds():
     out_a, out_b = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
     lse_a, lse_b = torch.randn(5, 2, generator=gen), torch.full((5, 2), float("-inf"))
     garbage = torch.full_like(out_b, float("nan"))
-    from fusion_pass.dense import merge_attention
+    from fusion_pass.kernels.reference import merge_attention
 
     merged, lse = merge_attention(out_a, lse_a, garbage, lse_b)
     assert torch.equal(merged, out_a) and torch.equal(lse, lse_a)
@@ -361,7 +361,7 @@ def test_inputs_the_runtime_accepts_are_fused_too(monkeypatch):
         scales = torch.empty(rows, cols, dtype=torch.uint8, device=DEVICE)
         with runtime.batch(spec):
             OPS.attention_with_output(q, k, v, packed, name, gs, scales)
-        assert guard.counters()["fused_by_backend"] == {fake.name: 1}
+        assert counters.counters()["fused_by_backend"] == {fake.name: 1}
         want = nvfp4.dequantize(*scaled_fp4_quant(half, gs), gs, m=t)
         got = nvfp4.dequantize(packed, scales.view(torch.float8_e4m3fn), gs, m=t)
         bound = requantization_bound(want, gs) + 2.0**-6 * float(v.float().abs().max())

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from fusion_pass import FusionPass, cli, demo, runtime
+from fusion_pass import FusionPass, cli, runtime
+from fusion_pass.demo import workload as demo
 
 
 def test_workload_covers_every_batch_kind_in_server_order():
@@ -20,9 +21,9 @@ def test_workload_covers_every_batch_kind_in_server_order():
 
 
 def test_demo_fuses_prefill_and_falls_back_byte_exact_elsewhere():
-    from fusion_pass import guard
+    from fusion_pass.runtime import counters, guard
 
-    guard.reset_counters()  # the report's run-time counters are process-wide
+    counters.reset_counters()  # the report's run-time counters are process-wide
     results, fusion = demo.run_demo(("mla",), tiny=True, layers=1)
     assert [r.kind for r in results] == [s.kind for s in demo.workload()]
     report = fusion.report()
@@ -48,8 +49,8 @@ def test_demo_fuses_prefill_and_falls_back_byte_exact_elsewhere():
 
 
 def test_time_prefill_times_each_prefill_step_from_its_caches():
-    from fusion_pass import guard
-    from fusion_pass.models import release_layers
+    from fusion_pass.runtime import counters, guard
+    from fusion_pass.demo.models import release_layers
 
     model = demo.build_model("gqa", tiny=True, layers=1)
     hidden_size = model.norms[0].normalized_shape[0]
@@ -59,7 +60,7 @@ def test_time_prefill_times_each_prefill_step_from_its_caches():
                                                "fx_graph_cache": False}),
     }
     steps = demo.workload()
-    before = guard.counters()
+    before = counters.counters()
     try:
         timings = demo.time_prefill(variants, steps, hidden_size, "cpu", warmup=1, repeats=2, model="gqa")
     finally:
@@ -74,7 +75,7 @@ def test_time_prefill_times_each_prefill_step_from_its_caches():
     # every fused call took the fused path: per prefill step 1 warm-up + 2 timed calls,
     # plus the call that advances the caches (the last variant, "fused"), which on the
     # mixed and chunked steps fuses their prefill rows too
-    after = guard.counters()
+    after = counters.counters()
     advanced = sum(1 for s in steps if s.kind in ("mixed", "chunked"))
     assert after["fused"] - before["fused"] == len(prefill) * (1 + 2 + 1) + advanced
     with pytest.raises(ValueError, match="missing"):
@@ -118,10 +119,10 @@ def test_cli_demo_writes_json(tmp_path, capsys):
 
 
 def test_cli_demo_time_prints_the_timing_table(tmp_path, capsys):
-    from fusion_pass import guard
+    from fusion_pass.runtime import counters, guard
 
     path = tmp_path / "demo.json"
-    guard.reset_counters()
+    counters.reset_counters()
     args = ["demo", "--tiny", "--model", "gqa", "--layers", "1", "--repeats", "2", "--warmup", "1"]
     assert cli.main([*args, "--time", "--json", str(path)]) == 0
     printed = capsys.readouterr().out

@@ -1,7 +1,7 @@
 """FlashAttention-4 on Hopper: the fused SM90 kernel with our NVFP4 epilogue.
 
 GPU tests (need a CUDA SM90 device and the ``fa4`` extra; they skip with the reason
-otherwise): the fused kernel's bytes equal, exactly, ``nvfp4.quantize_reference`` of FA4's
+otherwise): the fused kernel's bytes equal, exactly, ``nvfp4.quantize`` of FA4's
 own bf16/fp16 output on the same inputs (:func:`fa4_attention_varlen`, the same main loop);
 every output byte is written (two different poisons give the same bytes); the scale
 buffer's padding rows are zero. With keys in their own workspace (``cu_seqlens_k``: cached
@@ -26,8 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusion_pass import backends, kernels, nvfp4
-from fusion_pass.kernels import fa4_sm90
+from fusion_pass import kernels, nvfp4
+from fusion_pass.runtime import backends, settings
+from fusion_pass.kernels import choice
+from fusion_pass.kernels.fa4 import sm90 as fa4_sm90
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -79,7 +81,7 @@ def _fused(q, k, v, cu, max_seqlen, gs, causal, scale, poison_out, poison_scale)
     rows, cols = nvfp4.scale_shape(t, h * dv)
     packed = torch.full((t, h * dv // 2), poison_out, dtype=torch.uint8, device="cuda")
     scales = torch.full((rows, cols), poison_scale, dtype=torch.uint8, device="cuda")
-    kernels.fa4_attention_nvfp4_varlen(
+    fa4_sm90.fa4_attention_nvfp4_varlen(
         q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, softmax_scale=scale, causal=causal,
         output=packed, output_scale=gs, output_block_scale=scales.view(torch.float8_e4m3fn),
     )
@@ -89,12 +91,12 @@ def _fused(q, k, v, cu, max_seqlen, gs, causal, scale, poison_out, poison_scale)
 
 def _check_bytes(name, q, k, v, cu, lengths, causal, seed, special=False):
     scale = q.shape[2] ** -0.5
-    ref = kernels.fa4_attention_varlen(q, k, v, cu, max(lengths), causal=causal, softmax_scale=scale)
+    ref = fa4_sm90.fa4_attention_varlen(q, k, v, cu, max(lengths), causal=causal, softmax_scale=scale)
     t, h, dv = ref.shape
     assert ref.dtype == q.dtype and (t, h, dv) == (q.shape[0], q.shape[1], v.shape[2])
     finite = ref.float()[ref.float().isfinite()]
     gs = torch.tensor([448 * 6 / max(finite.abs().max().item(), 1e-6)], dtype=torch.float32, device="cuda")
-    want_packed, want_scales = nvfp4.quantize_reference(ref.reshape(t, h * dv).cpu(), gs.cpu(), swizzled=True)
+    want_packed, want_scales = nvfp4.quantize(ref.reshape(t, h * dv).cpu(), gs.cpu(), swizzled=True)
     runs = [_fused(q, k, v, cu, max(lengths), gs, causal, scale, *poison) for poison in ((0xA5, 0x5A), (0x00, 0xFF))]
     for i, (packed, scales) in enumerate(runs):
         bad = (packed.cpu() != want_packed).nonzero()
@@ -151,11 +153,11 @@ def test_public_entry_points_take_fa4_and_auto_prefers_it():
     lengths = [129, 1]
     q, k, v, cu = _inputs(seed, 16, 16, 192, 128, lengths, torch.bfloat16)
     out = kernels.attention(q, k, v, cu, 129, backend="fa4")
-    assert torch.equal(out, kernels.fa4_attention_varlen(q, k, v, cu, 129, causal=True, softmax_scale=192**-0.5))
-    assert kernels._choose("attention", "auto", q, v) == "fa4"
+    assert torch.equal(out, fa4_sm90.fa4_attention_varlen(q, k, v, cu, 129, causal=True, softmax_scale=192**-0.5))
+    assert choice.choose("attention", "auto", q, v) == "fa4"
     gs = torch.tensor([100.0], device="cuda")
     packed, scales = kernels.attention_nvfp4(q, k, v, cu, 129, gs, backend="fa4")
-    want = nvfp4.quantize_reference(out.reshape(130, -1).cpu(), gs.cpu())
+    want = nvfp4.quantize(out.reshape(130, -1).cpu(), gs.cpu())
     assert torch.equal(packed.cpu(), want[0]) and torch.equal(scales.cpu().view(torch.uint8), want[1].view(torch.uint8))
     backend, why = backends.select_backend("cuda", torch.bfloat16, 16, 192, 128)
     assert backend is not None and backend.name == "fa4", why
@@ -166,8 +168,9 @@ def test_attention_op_with_fa4_fused_on_prefill_and_byte_equal_fallback_on_decod
     """The attention op with backend ``fa4``: a prefill batch takes the fused FA4 path
     (within the requantization bound of the unfused bytes); a decode batch falls back and
     its bytes equal the unfused path's."""
-    from fusion_pass import guard, ops, runtime
-    from fusion_pass.demo import compare_nvfp4
+    from fusion_pass import ops, runtime
+    from fusion_pass.runtime import counters, guard
+    from fusion_pass.demo.workload import compare_nvfp4
     from fusion_pass.runtime import BatchSpec, RequestSpec
 
     heads, kv_heads, dim = 8, 2, 128
@@ -180,7 +183,7 @@ def test_attention_op_with_fa4_fused_on_prefill_and_byte_equal_fallback_on_decod
             BatchSpec((RequestSpec("a", 300), RequestSpec("b", 77))),
             BatchSpec((RequestSpec("a", 1, 300), RequestSpec("b", 1, 77))),
         ]
-        with backends.use_backend("fa4"):
+        with settings.use_backend("fa4"):
             for spec, want_path in zip(steps, ("fused", "fallback")):
                 t = spec.num_tokens
                 q, k, v = (torch.randn(t, h, dim, generator=gen).to("cuda", torch.bfloat16)
@@ -195,9 +198,9 @@ def test_attention_op_with_fa4_fused_on_prefill_and_byte_equal_fallback_on_decod
                     rows, cols = nvfp4.scale_shape(t, heads * dim)
                     packed = torch.full((t, heads * dim // 2), 0xAB, dtype=torch.uint8, device="cuda")
                     scales = torch.full((rows, cols // 4), -1, dtype=torch.int32, device="cuda")
-                    before = guard.counters()
+                    before = counters.counters()
                     torch.ops.fusion_pass.attention_with_output(q, k, v, packed, "test_fa4.attn", gs, scales)
-                    after = guard.counters()
+                    after = counters.counters()
                 fused = after["fused_by_backend"].get("fa4", 0) - before["fused_by_backend"].get("fa4", 0)
                 assert (fused == 1) == (want_path == "fused"), f"{spec.kind}: guard took the wrong path"
                 equal, err, bound, within = compare_nvfp4([(packed, scales.view(torch.float8_e4m3fn))], [unfused], [gs])
@@ -245,16 +248,16 @@ def test_fused_bytes_with_context_equal_quantize_of_fa4_output(heads, dtype):
     scale = d ** -0.5
     t, a, e = q.shape[0], case.row0, q.shape[0] - case.tail
     ctx = dict(cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens))
-    ref = kernels.fa4_attention_varlen(q, k, v, cu, max(case.query_lens), causal=True, softmax_scale=scale, **ctx)
+    ref = fa4_sm90.fa4_attention_varlen(q, k, v, cu, max(case.query_lens), causal=True, softmax_scale=scale, **ctx)
     ref = ref[a:e].reshape(e - a, h * dv)
     gs = torch.tensor([448 * 6 / max(ref.float().abs().max().item(), 1e-6)], dtype=torch.float32, device="cuda")
-    want_packed, want_scales = nvfp4.quantize_reference(ref.cpu(), gs.cpu(), swizzled=False)
+    want_packed, want_scales = nvfp4.quantize(ref.cpu(), gs.cpu(), swizzled=False)
     rows, cols = nvfp4.scale_shape(t, h * dv)
     blocks = h * dv // 16
     for poison_out, poison_scale in ((0xA5, 0x5A), (0x00, 0xFF)):
         packed = torch.full((t, h * dv // 2), poison_out, dtype=torch.uint8, device="cuda")
         scales = torch.full((rows, cols), poison_scale, dtype=torch.uint8, device="cuda")
-        kernels.fa4_attention_nvfp4_varlen(
+        fa4_sm90.fa4_attention_nvfp4_varlen(
             q, k, v, cu_seqlens=cu, max_seqlen=max(case.query_lens), softmax_scale=scale, causal=True,
             output=packed, output_scale=gs, output_block_scale=scales.view(torch.float8_e4m3fn), **ctx,
         )
@@ -288,7 +291,7 @@ def test_fa4_output_and_lse_with_context_against_float64(heads, causal):
     where = f"{name}: {case}"
     scale = d ** -0.5
     rows = slice(case.row0, q.shape[0] - case.tail)
-    out, lse = kernels.fa4_attention_varlen(q, k, v, cu, max(case.query_lens), causal=causal, softmax_scale=scale,
+    out, lse = fa4_sm90.fa4_attention_varlen(q, k, v, cu, max(case.query_lens), causal=causal, softmax_scale=scale,
                                             cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens), return_lse=True)
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert lse.shape == (q.shape[0], h) and lse.stride() == (1, q.shape[0]), "lse must be the [T, H] view of [H, T]"
@@ -313,7 +316,7 @@ def test_public_entry_points_take_fa4_with_context():
     q, k, v, cu, cu_k = _context_inputs(case, (32, 8, 128, 128), torch.bfloat16)
     where = str(case)
     max_q, t = max(case.query_lens), q.shape[0]
-    want, want_lse = kernels.fa4_attention_varlen(q, k, v, cu, max_q, causal=True, softmax_scale=128**-0.5,
+    want, want_lse = fa4_sm90.fa4_attention_varlen(q, k, v, cu, max_q, causal=True, softmax_scale=128**-0.5,
                                                   cu_seqlens_k=cu_k, return_lse=True)
     assert torch.equal(kernels.attention(q, k, v, cu, max_q, backend="fa4", cu_seqlens_k=cu_k), want), where
     out, lse = kernels.attention_with_lse(q, k, v, cu, max_q, backend="fa4", cu_seqlens_k=cu_k,
@@ -321,7 +324,7 @@ def test_public_entry_points_take_fa4_with_context():
     assert out.dtype == torch.float32 and torch.equal(out, want.float()) and torch.equal(lse, want_lse), where
     gs = torch.tensor([100.0], device="cuda")
     packed, scales = kernels.attention_nvfp4(q, k, v, cu, max_q, gs, backend="fa4", cu_seqlens_k=cu_k)
-    ref = nvfp4.quantize_reference(want.reshape(t, -1).cpu(), gs.cpu())
+    ref = nvfp4.quantize(want.reshape(t, -1).cpu(), gs.cpu())
     assert torch.equal(packed.cpu(), ref[0]), where
     assert torch.equal(scales.cpu().view(torch.uint8), ref[1].view(torch.uint8)), where
 
@@ -339,7 +342,7 @@ def test_fused_call_with_context_does_not_synchronize():
                 output_block_scale=torch.empty(rows, cols // 4, dtype=torch.int32, device="cuda"))
 
     def call():
-        kernels.fa4_attention_nvfp4_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max(case.query_lens), softmax_scale=0.1,
+        fa4_sm90.fa4_attention_nvfp4_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max(case.query_lens), softmax_scale=0.1,
                                            causal=True, cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens), **bufs)
 
     call_without_host_sync(call)
@@ -450,7 +453,7 @@ def test_kernel_config_mirrors_fa4s_sm90_tiles():
 
 
 def test_module_imports_without_fa4_and_detection_says_why():
-    code = "import sys, fusion_pass.kernels.fa4_sm90, fusion_pass.kernels; " \
+    code = "import sys, fusion_pass.kernels.fa4.sm90, fusion_pass.kernels; " \
            "print(any(m.startswith(('flash_attn', 'cutlass')) for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False", "importing the kernels imported FA4"
@@ -477,7 +480,7 @@ def test_kernels_do_not_import_backends_or_runtime():
     import ast
     import pathlib
 
-    forbidden = ("fusion_pass.backends", "fusion_pass.runtime", "fusion_pass.ops", "fusion_pass.guard")
+    forbidden = ("fusion_pass.runtime.backends", "fusion_pass.runtime", "fusion_pass.ops", "fusion_pass.runtime.guard")
     for path in pathlib.Path(kernels.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
@@ -497,7 +500,7 @@ def test_sm90_kernel_compiles_on_the_cpu():
     code = textwrap.dedent("""
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from fusion_pass.kernels import fa4_sm90
+        from fusion_pass.kernels.fa4 import sm90 as fa4_sm90
         with FakeTensorMode(allow_non_fake_inputs=True):
             for h, hkv, d, dv, dtype, tk in ((16, 16, 192, 128, torch.bfloat16, None),
                                              (32, 8, 128, 128, torch.float16, None),

@@ -8,7 +8,7 @@ the mutating ops are covered (``enable_auto_functionalized_v2`` False: vLLM's
 ``auto_functionalized``; True: torch.compile's default ``auto_functionalized_v2``).
 
 The graph inspection below is written against the graph itself (targets,
-kwargs, placeholders), not through :mod:`fusion_pass.matcher`, so that the
+kwargs, placeholders), not through :mod:`fusion_pass.compile.matcher`, so that the
 matcher is checked, not reused.
 """
 
@@ -31,8 +31,10 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fusion_pass
-from fusion_pass import backends, demo, guard, layers, models, nvfp4, runtime
-from fusion_pass.fusion import FusionPass
+from fusion_pass import nvfp4, runtime
+from fusion_pass.runtime import backends, counters, guard, settings
+from fusion_pass.demo import layers, models, workload as demo
+from fusion_pass.compile.graph_pass import FusionPass
 from fusion_pass.ops import scaled_fp4_quant
 from fusion_pass.patterns import PATTERNS
 from fusion_pass.runtime import BatchSpec, RequestSpec
@@ -61,14 +63,14 @@ def unique(prefix: str) -> str:
 def _clean_compile_state(monkeypatch):
     """Fresh Dynamo caches, no FX graph cache (a cache hit skips the post-grad passes), the reference
     backend pinned, zeroed guard counters."""
-    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(settings.BACKEND_ENV, raising=False)
     monkeypatch.delenv("FUSION_PASS_DUMP", raising=False)
     torch._dynamo.reset()
-    guard.reset_counters()
-    with inductor_config.patch(fx_graph_cache=False), backends.use_backend("reference"):
+    counters.reset_counters()
+    with inductor_config.patch(fx_graph_cache=False), settings.use_backend("reference"):
         yield
     runtime.clear_kv_caches()
-    guard.reset_counters()
+    counters.reset_counters()
     torch._dynamo.reset()
 
 
@@ -347,7 +349,7 @@ def test_demo_model_attention_and_quant_become_one_nvfp4_attention_call(model_na
                                                    if isinstance(m, (layers.Attention, layers.MLAAttention))]
     assert {e["outcome"] for e in report.layers} == {"rewritten"}
     # the rewritten calls ran the fused kernel on both pure-prefill batches, per layer
-    assert guard.counters()["fused_by_backend"] == {"reference": 4}
+    assert counters.counters()["fused_by_backend"] == {"reference": 4}
     if model_name == "gqa" and form == "v1":
         # the standard-attention pattern crosses the [T, H, Dv] -> [T, H*Dv] view between attention and quant
         assert all(q.kwargs["input"].target in VIEWS for q in quant_nodes(rec.before[0]))
@@ -383,7 +385,7 @@ def test_pass_chained_after_another_installed_pass(form):
         models.release_layers(model)
     assert other.calls == 1 and other.saw_quant == [2]  # it ran first, on the unfused graph
     assert len(fp.graphs) == 1 and fp.graphs[0].rewritten == 2
-    assert guard.counters()["fused_by_backend"] == {"reference": 2}
+    assert counters.counters()["fused_by_backend"] == {"reference": 2}
 
 
 @pytest.mark.parametrize("as_list", [False, True])
@@ -464,7 +466,7 @@ def test_compiled_numerics_fused_within_bound_on_prefill_and_bytes_equal_otherwi
     fused = _run_steps(compile_with(_attn_quant_gemm(block), fused_rec), block, gs)
     assert len(fused_rec.after) == 1, "one compiled graph serves every batch"
     assert_fused(fused_rec, 1, form)
-    counts = guard.counters()
+    counts = counters.counters()
     assert (counts["fused"], counts["fused_by_backend"], counts["fallback"]) == (3, {"reference": 3},
                                                                                  {"decode_tokens": 1})
     assert counts["tokens"] == {"prefill": 24, "prefill_fused": 24, "post_quantized": {"decode_tokens": 3}}
@@ -494,7 +496,7 @@ def test_compiled_numerics_fused_within_bound_on_prefill_and_bytes_equal_otherwi
 
     # mixed / chunked: decode rows byte-equal to the unfused graph, prefill rows within the requantization
     # bound; decode: the guard falls back to the exact unfused computation
-    from fusion_pass.demo import requantization_bound, rows_equal
+    from fusion_pass.demo.workload import requantization_bound, rows_equal
 
     for step, (spec, got, want) in enumerate(zip(NUMERICS_STEPS[1:], fused[1:], unfused[1:]), start=1):
         y, x_fp4, x_sf = got
@@ -572,7 +574,7 @@ def test_refused_when_attention_is_already_quantized(make_block, form):
     fp = FusionPass()
     rec = compile_and_run(f, block, fp)
     assert_refused(rec, fp, "attention_already_quantized", quants=0)
-    assert guard.counters()["fused"] == 1  # the op's own NVFP4 path ran, guarded
+    assert counters.counters()["fused"] == 1  # the op's own NVFP4 path ran, guarded
 
 
 def test_refused_when_quant_scales_are_not_swizzled(make_block, form):
@@ -672,15 +674,15 @@ def test_enable_takes_effect_on_functions_compiled_before_and_leaves_with_the_bl
     with inductor_config.patch(post_grad_custom_post_pass=None):
         run_compiled(compiled, PREFILL, *block.inputs(PREFILL))
         runtime.clear_kv_caches()
-        assert guard.counters()["fused"] == 0  # compiled without the pass: the quant runs on its own
+        assert counters.counters()["fused"] == 0  # compiled without the pass: the quant runs on its own
         with fusion_pass.enable() as fp:
             run_compiled(compiled, PREFILL, *block.inputs(PREFILL))  # recompiles, now with the pass
             runtime.clear_kv_caches()
             assert (len(fp.graphs), fp.graphs[0].rewritten) == (1, 1)
-            assert guard.counters()["fused"] == 1
+            assert counters.counters()["fused"] == 1
         run_compiled(compiled, PREFILL, *block.inputs(PREFILL))  # recompiles without it
         runtime.clear_kv_caches()
-        assert guard.counters()["fused"] == 1, "the graph compiled inside the block kept the pass after it"
+        assert counters.counters()["fused"] == 1, "the graph compiled inside the block kept the pass after it"
         assert len(fp.graphs) == 1
         assert inductor_config.post_grad_custom_post_pass is None
 
@@ -699,7 +701,7 @@ def test_enable_without_recompile_says_compiled_functions_keep_their_graphs(make
         with fusion_pass.enable(recompile=False) as fp:
             run_compiled(compiled, PREFILL, *block.inputs(PREFILL))
             runtime.clear_kv_caches()
-    assert fp.graphs == [] and guard.counters()["fused"] == 0
+    assert fp.graphs == [] and counters.counters()["fused"] == 0
     assert any("keep the graphs they were compiled with" in r.getMessage() for r in caplog.records)
 
 
@@ -707,7 +709,7 @@ def _installed_fusions(installed) -> list:
     """The passes ``installed`` runs, in order (a ChainedPass flattened)."""
     if installed is None:
         return []
-    if isinstance(installed, fusion_pass.fusion.ChainedPass):
+    if isinstance(installed, fusion_pass.compile.graph_pass.ChainedPass):
         return [*installed.firsts, installed.second]
     return [installed]
 
@@ -779,7 +781,7 @@ def test_report_totals_are_sums_over_graphs_and_each_graph_is_logged(make_block,
     assert report["refused"] == {"bf16_output_has_other_users": 1}
     assert report["seconds"] == pytest.approx(sum(g.seconds for g in fp.graphs))
     assert [g["graph"] for g in report["per_graph"]] == [0, 1]
-    assert report["runtime"] == guard.counters()
+    assert report["runtime"] == counters.counters()
     lines = [r.getMessage() for r in caplog.records if r.name == "fusion_pass"]
     assert any(re.match(r"fusion_pass: graph 0: 1 candidates, 1 rewritten, refused: none", m) for m in lines), lines
     assert any(re.match(r"fusion_pass: graph 1: 1 candidates, 0 rewritten, refused: bf16_output_has_other_users=1",
@@ -808,10 +810,10 @@ def _compile_tiny_mla(prefix: str, fusion: FusionPass):
 
 def test_dump_writes_before_after_report_and_depyf(tmp_path):
     prefix = unique("dump")
-    with fusion_pass.debug.dump(tmp_path) as path:
-        assert fusion_pass.debug.active() and path == tmp_path
+    with fusion_pass.compile.debug.dump(tmp_path) as path:
+        assert fusion_pass.compile.debug.active() and path == tmp_path
         _compile_tiny_mla(prefix, FusionPass())
-    assert not fusion_pass.debug.active()
+    assert not fusion_pass.compile.debug.active()
     befores = sorted(tmp_path.glob("graph_*_before.py"))
     assert len(befores) == 1, befores
     stem = str(befores[0])[: -len("_before.py")]
@@ -832,7 +834,7 @@ def test_each_dump_directory_numbers_graphs_from_zero(tmp_path):
     graph = torch.fx.Graph()
     graph.output(graph.placeholder("x"))
     for sub in ("first", "second"):
-        with fusion_pass.debug.dump(tmp_path / sub):
+        with fusion_pass.compile.debug.dump(tmp_path / sub):
             FusionPass()(graph)
     assert (tmp_path / "second" / "graph_000_before.py").exists()
 
@@ -841,9 +843,9 @@ def test_dump_from_environment_variable(tmp_path):
     out = tmp_path / "env_dump"
     code = (
         "import torch, fusion_pass\n"
-        "from fusion_pass import demo, runtime\n"
+        "from fusion_pass import runtime\nfrom fusion_pass.demo import workload as demo\n"
         "torch._inductor.config.fx_graph_cache = False\n"
-        "assert fusion_pass.debug.active()\n"
+        "assert fusion_pass.compile.debug.active()\n"
         "model = demo.build_model('mla', tiny=True, layers=1, prefix='env_dump')\n"
         "spec = runtime.BatchSpec.from_lens([5, 3])\n"
         "pos, hid = demo.make_inputs(spec, 256, 'cpu', seed=0)\n"
@@ -853,7 +855,7 @@ def test_dump_from_environment_variable(tmp_path):
         "assert fp.report()['rewritten'] == 1, fp.report()\n"
     )
     env = {**os.environ, "FUSION_PASS_DUMP": str(out)}
-    env.pop(backends.BACKEND_ENV, None)
+    env.pop(settings.BACKEND_ENV, None)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
-from fusion_pass import backends, guard, nvfp4, prefill, runtime
+from fusion_pass import nvfp4, runtime
+from fusion_pass.runtime import backends, counters, guard, row_plan, settings
 from fusion_pass.ops import scaled_fp4_quant
 
 OPS = torch.ops.fusion_pass
@@ -138,7 +139,7 @@ SPECS = {
 def _decide(spec, **overrides):
     kwargs = dict(device=CPU, dtype=torch.bfloat16, num_heads=2, qk_head_dim=24, v_head_dim=16)
     kwargs.update(overrides)
-    return guard.decide(spec, **kwargs)
+    return guard.decide(guard.BatchRows.from_spec(spec), guard.LayerShape(**kwargs))
 
 
 @pytest.mark.parametrize(
@@ -195,7 +196,7 @@ def test_fused_path_writes_quantized_float32_attention(layer, lens):
     spec = runtime.BatchSpec.from_lens(lens)
     inputs = layer.inputs(spec.num_tokens)
     output, scales = layer.call(spec, inputs, GS)
-    counts = guard.counters()
+    counts = counters.counters()
     assert (counts["fused"], counts["fused_by_backend"], counts["fallback"]) == (1, {"reference": 1}, {})
     assert counts["tokens"] == {"prefill": spec.num_tokens, "prefill_fused": spec.num_tokens, "post_quantized": {}}
 
@@ -217,7 +218,7 @@ def test_fallback_path_equals_the_unfused_graph(layer):
     layer.impl.clear_cache()
     for spec, inputs in steps:
         output, scales = layer.call(spec, inputs, GS)
-    assert guard.counters() == expected
+    assert counters.counters() == expected
 
     attn_bf16 = layer.attention32(steps).to(torch.bfloat16)
     packed, ref_scales = nvfp4.quantize(attn_bf16, GS)
@@ -229,7 +230,7 @@ def test_fallback_path_equals_the_unfused_graph(layer):
         unfused_packed, unfused_scales = layer.call_unfused(spec, inputs, GS)
     assert torch.equal(output, unfused_packed)
     assert torch.equal(scales, unfused_scales)
-    assert guard.counters() == expected, "the query-dtype form of the op is not guarded nor counted"
+    assert counters.counters() == expected, "the query-dtype form of the op is not guarded nor counted"
 
 
 # Batches after a first prefill of requests r0 (9 tokens) and r1 (6 tokens): decode rows first, then prefill rows
@@ -272,10 +273,10 @@ def test_prefill_rows_of_every_batch_are_fused_and_decode_rows_equal_the_unfused
     layer.impl.clear_cache()
     for s, inputs in steps:
         unfused_packed, unfused_scales = layer.call_unfused(s, inputs, GS)
-    from fusion_pass.demo import rows_equal
+    from fusion_pass.demo.workload import rows_equal
 
     assert rows_equal([(out, scales)], [(unfused_packed, unfused_scales)], d)
-    counts = guard.counters()["tokens"]
+    counts = counters.counters()["tokens"]
     prefill = first.num_tokens + spec.num_tokens - d
     assert counts["prefill"] == counts["prefill_fused"] == 2 * prefill
     assert counts["post_quantized"] == ({"decode_tokens": 2 * d} if d else {})
@@ -286,9 +287,9 @@ def test_fused_and_fallback_differ_only_within_the_nvfp4_error_bounds(layer):
     inputs = layer.inputs(spec.num_tokens, seed=3)
     fused = layer.call(spec, inputs, GS)
     layer.impl.clear_cache()
-    with backends.use_backend("triton"):  # unavailable here: forces the fallback on the same batch
+    with settings.use_backend("triton"):  # unavailable here: forces the fallback on the same batch
         fallback = layer.call(spec, inputs, GS)
-    counts = guard.counters()
+    counts = counters.counters()
     assert counts["fused_by_backend"] == {"reference": 1} and counts["fallback"] == {"no_backend": 1}
 
     attn32 = layer.attention32([(spec, inputs)])
@@ -308,7 +309,7 @@ def test_every_output_byte_is_written_and_scale_padding_is_zero(layer, kind):
     results = []
     for poison in ((0xAB, 0xFF), (0x00, 0x00), (0xFF, 0xAB)):
         layer.impl.clear_cache()
-        with backends.use_backend("triton" if kind == "fallback" else None):  # triton: no backend on CPU
+        with settings.use_backend("triton" if kind == "fallback" else None):  # triton: no backend on CPU
             results.append(layer.call(spec, inputs, GS, poison=poison))
     for output, scales in results[1:]:
         assert torch.equal(output, results[0][0]) and torch.equal(scales, results[0][1])
@@ -316,7 +317,7 @@ def test_every_output_byte_is_written_and_scale_padding_is_zero(layer, kind):
     padding = _padding_mask(spec.num_tokens, layer.width)
     assert bool((scales[padding] == 0).all())
     assert bool((scales[~padding] != 0).all())  # real blocks of random data have non-zero scales
-    counts = guard.counters()
+    counts = counters.counters()
     if kind == "fallback" and not torch.cuda.is_available():
         assert (counts["fallback"], counts["fused"]) == ({"no_backend": 3}, 0)
     elif kind != "fallback":
@@ -336,7 +337,8 @@ def test_attention_is_computed_once_per_call(layer, monkeypatch):
         spec = runtime.BatchSpec.from_lens(lens)
         layer.impl.clear_cache()
         layer.call(spec, layer.inputs(spec.num_tokens), GS)
-    assert calls == ["prefill", "mixed"]
+    # the fused backend writes the prefill rows; the runtime computes only the mixed batch's decode rows
+    assert calls == ["decode"]
 
 
 def test_counters_count_each_decision_and_log_each_reason_once(layer, caplog):
@@ -350,7 +352,7 @@ def test_counters_count_each_decision_and_log_each_reason_once(layer, caplog):
     ]
     for i, spec in enumerate(runs):
         layer.call(spec, layer.inputs(spec.num_tokens, seed=i), GS)
-    assert guard.counters() == {
+    assert counters.counters() == {
         "fused": 2,
         "fused_by_backend": {"reference": 2},
         "fallback": {"decode_tokens": 2, "dcp_world_size>1": 1},
@@ -360,18 +362,18 @@ def test_counters_count_each_decision_and_log_each_reason_once(layer, caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "fusion_pass" and r.levelno == logging.INFO]
     assert len(messages) == 2
     assert "reason: decode_tokens" in messages[0] and "reason: dcp_world_size>1" in messages[1]
-    guard.reset_counters()
-    assert guard.counters() == {"fused": 0, "fused_by_backend": {}, "fallback": {},
+    counters.reset_counters()
+    assert counters.counters() == {"fused": 0, "fused_by_backend": {}, "fallback": {},
                                 "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
 
 
 def test_counters_snapshot_is_a_copy_and_record_rejects_bad_paths():
-    guard.record(guard.Decision("fallback", "no_backend", None, "x"))
-    snapshot = guard.counters()
+    counters.record(guard.Decision("fallback", "no_backend", None, "x"))
+    snapshot = counters.counters()
     snapshot["fallback"]["no_backend"] = 99
-    assert guard.counters()["fallback"] == {"no_backend": 1}
+    assert counters.counters()["fallback"] == {"no_backend": 1}
     with pytest.raises(ValueError, match="decision.path"):
-        guard.record(guard.Decision("maybe", None, None))
+        counters.record(guard.Decision("maybe", None, None))
 
 
 # ---------------------------------------------------------------- buffer validation
@@ -423,7 +425,7 @@ def test_bad_nvfp4_buffers_are_rejected_before_any_attention(bad, match):
             with pytest.raises(ValueError, match=match):
                 op(*inputs, output, "test_guard.bad", gs, block_scale)
         assert impl.cache_len("req") == 0, "validation must happen before attention runs"
-        assert guard.counters()["fused"] == 0 and guard.counters()["fallback"] == {}
+        assert counters.counters()["fused"] == 0 and counters.counters()["fallback"] == {}
     finally:
         runtime.unregister_layer("test_guard.bad")
 
@@ -470,8 +472,8 @@ def test_availability_is_cached(monkeypatch):
     calls = []
     try:
         with monkeypatch.context() as m:
-            m.setattr(backends, "_import_fa4", lambda: calls.append("fa4") or (None, "x"))
-            m.setattr(backends, "triton_availability", lambda: calls.append("triton") or (False, "x"))
+            m.setattr(backends.fa4, "_import_fa4", lambda: calls.append("fa4") or (None, "x"))
+            m.setattr(backends.triton, "triton_availability", lambda: calls.append("triton") or (False, "x"))
             for _ in range(3):
                 backends.list_backends()
                 _decide(SPECS["prefill"])
@@ -537,16 +539,20 @@ def test_triton_detection_branches():
 
     avail = backends.triton_availability
     assert avail(find_spec=find_spec(False), import_module=importer(), cuda_available=lambda: True) == (
-        False, "fusion_pass.kernels (the Triton kernels) is not part of this build")
+        False, f"{backends.triton.TRITON_KERNEL_MODULE} (the Triton kernels) is not part of this build")
     assert avail(find_spec=find_spec(True), import_module=importer(False), cuda_available=lambda: True) == (
         False, "triton is not installed")
     assert avail(find_spec=find_spec(True), import_module=importer(), cuda_available=lambda: False) == (
         False, "no CUDA device")
+    def broken(name):
+        if name == "triton":
+            return types.SimpleNamespace(__version__="3.6.0")
+        raise ImportError("boom")
+
+    ok, why = avail(find_spec=find_spec(True), import_module=broken, cuda_available=lambda: True)
+    assert not ok and backends.triton.TRITON_KERNEL_MODULE in why and "boom" in why
     ok, why = avail(find_spec=find_spec(True), import_module=importer(kernels=types.SimpleNamespace()),
                     cuda_available=lambda: True)
-    assert not ok and backends.TRITON_ENTRY_POINT in why
-    kernels = types.SimpleNamespace(**{backends.TRITON_ENTRY_POINT: lambda *a, **k: None})
-    ok, why = avail(find_spec=find_spec(True), import_module=importer(kernels=kernels), cuda_available=lambda: True)
     assert ok and "3.6.0" in why
 
 
@@ -592,7 +598,7 @@ def _dense_causal(q, k, v, cu, scale):
     out = []
     bounds = cu.tolist()
     for s, e in zip(bounds[:-1], bounds[1:]):
-        o, _ = runtime.attention_with_lse(q[s:e].float(), k[s:e].float(), v[s:e].float(), scale=scale, causal=True)
+        o, _ = runtime.dense_attention(q[s:e].float(), k[s:e].float(), v[s:e].float(), scale=scale, causal=True)
         out.append(o)
     return torch.cat(out)
 
@@ -623,7 +629,8 @@ def test_fa4_run_path_with_an_injected_kernel(layer):
     rows, cols = nvfp4.scale_shape(t, layer.width)
     block_scale = torch.full((rows, cols // 4), -1, dtype=torch.int32)
     layer.impl.clear_cache()
-    backends.FA4Backend(varlen_func=fake_varlen).run(layer.impl, inputs, spec, output, GS, block_scale)
+    row_plan.run_on_prefill(backends.FA4Backend(varlen_func=fake_varlen), layer.impl, inputs, spec, output, GS,
+                            block_scale)
 
     assert seen["causal"] is True and seen["softmax_scale"] == layer.impl.softmax_scale
     assert seen["cu_seqlens_q"].tolist() == [0, 9, 13] and seen["max_seqlen_q"] == 9
@@ -645,7 +652,7 @@ def test_prefill_qkv_feeds_the_same_attention_and_refuses_other_batches(layer):
     spec = runtime.BatchSpec.from_lens([6, 3])
     inputs = layer.inputs(spec.num_tokens, seed=2, dtype=torch.float32)
     layer.impl.clear_cache()
-    q, k, v = prefill.prefill_qkv(layer.impl, inputs, spec)
+    q, k, v, _ = layer.impl.prefill_qkv(*inputs, spec)
     cu = torch.tensor(spec.query_start_loc())
     attn = _dense_causal(q, k, v, cu, layer.impl.softmax_scale).reshape(spec.num_tokens, -1)
     # a follow-up batch sees the cache prefill_qkv wrote
@@ -656,48 +663,47 @@ def test_prefill_qkv_feeds_the_same_attention_and_refuses_other_batches(layer):
     torch.testing.assert_close(attn, expected, atol=1e-5, rtol=1e-5)
     replay = layer.attention32([(spec, inputs), (follow, follow_inputs)])
     torch.testing.assert_close(after_qkv.reshape(2, -1), replay, atol=1e-5, rtol=1e-5)
-    for kind in ("mixed", "chunked"):
-        with pytest.raises(ValueError, match="pure-prefill"):
-            prefill.prefill_qkv(layer.impl, inputs, SPECS[kind])
+    with pytest.raises(ValueError, match="prefills only"):  # prefills with cached context are taken
+        layer.impl.prefill_qkv(*inputs, SPECS["mixed"])
 
 
 def test_backend_env_variable(monkeypatch):
-    monkeypatch.setenv(backends.BACKEND_ENV, "reference")
-    assert backends.configured_backend() == "reference"
-    monkeypatch.setenv(backends.BACKEND_ENV, "Triton")
-    assert backends.configured_backend() == "triton"
+    monkeypatch.setenv(settings.BACKEND_ENV, "reference")
+    assert settings.configured_backend() == "reference"
+    monkeypatch.setenv(settings.BACKEND_ENV, "Triton")
+    assert settings.configured_backend() == "triton"
     assert _decide(SPECS["prefill"]).reason == "no_backend"
-    monkeypatch.setenv(backends.BACKEND_ENV, "cutlass")
+    monkeypatch.setenv(settings.BACKEND_ENV, "cutlass")
     with pytest.raises(ValueError, match=r"FUSION_PASS_BACKEND='cutlass' .* auto, fa4, triton, reference"):
-        backends.configured_backend()
+        settings.configured_backend()
     with pytest.raises(ValueError, match="FUSION_PASS_BACKEND"):
         _decide(SPECS["prefill"])
     # set_backend takes precedence over the environment
-    with backends.use_backend("reference"):
+    with settings.use_backend("reference"):
         assert _decide(SPECS["prefill"]).backend == "reference"
-    monkeypatch.delenv(backends.BACKEND_ENV)
-    assert backends.configured_backend() == "auto"
+    monkeypatch.delenv(settings.BACKEND_ENV)
+    assert settings.configured_backend() == "auto"
 
 
 def test_set_and_use_backend_restore_the_previous_choice():
-    assert backends.configured_backend() == "auto"
-    backends.set_backend("reference")
-    with backends.use_backend("triton"):
-        assert backends.configured_backend() == "triton"
-        with backends.use_backend("fa4"):
-            assert backends.configured_backend() == "fa4"
-        assert backends.configured_backend() == "triton"
-    assert backends.configured_backend() == "reference"
+    assert settings.configured_backend() == "auto"
+    settings.set_backend("reference")
+    with settings.use_backend("triton"):
+        assert settings.configured_backend() == "triton"
+        with settings.use_backend("fa4"):
+            assert settings.configured_backend() == "fa4"
+        assert settings.configured_backend() == "triton"
+    assert settings.configured_backend() == "reference"
     with pytest.raises(RuntimeError):
-        with backends.use_backend("auto"):
-            assert backends.configured_backend() == "auto"
+        with settings.use_backend("auto"):
+            assert settings.configured_backend() == "auto"
             raise RuntimeError
-    assert backends.configured_backend() == "reference"
+    assert settings.configured_backend() == "reference"
     with pytest.raises(ValueError, match="auto, fa4, triton, reference"):
-        backends.set_backend("flashinfer")
-    assert backends.configured_backend() == "reference"
-    backends.set_backend(None)
-    assert backends.configured_backend() == "auto"
+        settings.set_backend("flashinfer")
+    assert settings.configured_backend() == "reference"
+    settings.set_backend(None)
+    assert settings.configured_backend() == "auto"
 
 
 def test_select_backend_preferred_restricts_the_search():
@@ -738,7 +744,7 @@ def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows
     reason = _cuda_backend_reason(name)
     if reason:
         pytest.skip(reason)
-    from fusion_pass.demo import requantization_bound, rows_equal
+    from fusion_pass.demo.workload import requantization_bound, rows_equal
     from fusion_pass.runtime import BatchSpec, RequestSpec
 
     if kind == "gqa":
@@ -782,7 +788,7 @@ def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows
     try:
         runtime.clear_kv_caches()
         for step, (spec, want) in enumerate(steps):
-            with backends.use_backend(name), prefill.use_context_workspace_tokens(64 if step in bounded else None):
+            with settings.use_backend(name), settings.use_context_workspace_tokens(64 if step in bounded else None):
                 t, d = spec.num_tokens, spec.num_decode_tokens
                 inputs = make(t, gen)
                 start = runtime.snapshot_kv_caches()
@@ -797,9 +803,9 @@ def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows
                         rows, cols = nvfp4.scale_shape(t, width)
                         packed = torch.full((t, width // 2), poison, dtype=torch.uint8, device="cuda")
                         scales = torch.full((rows, cols), poison, dtype=torch.uint8, device="cuda")
-                        before = guard.counters()
+                        before = counters.counters()
                         op(*inputs, packed, layer_name, gs, scales)
-                        after = guard.counters()
+                        after = counters.counters()
                         got.append((packed, scales))
                 assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]), "unwritten bytes"
                 packed, scales = got[0]
@@ -816,7 +822,7 @@ def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows
                         vmax = max(vmax, float(inputs[2].float().abs().max()))
                     else:
                         vmax = max(vmax, float(torch.einsum("sl,hvl->shv", inputs[1].float(),
-                                                            impl._weights()[1]).abs().max()))
+                                                            impl.weights()[1]).abs().max()))
                     bound = requantization_bound(want_hat, gs) + 2.0**-6 * vmax
                     assert bool(((got_hat - want_hat).abs() <= bound).all()), f"{spec.kind}: prefill rows off"
                     padding = _padding_mask(t, width).to("cuda")
@@ -840,20 +846,17 @@ class _ClobberingKernelBackend:
 
     name, handles_context = "clobbering", False
 
-    def run(self, impl, inputs, spec, output, output_scale, output_block_scale):
-        prefill.run_on_prefill(self, impl, inputs, spec, output, output_scale, output_block_scale)
-
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale, output_block_scale,
                    cu_seqlens_k=None, max_seqlen_k=None):
-        from fusion_pass.kernels import reference_attention
+        from fusion_pass.kernels.reference import varlen_attention
 
         output_block_scale.view(torch.uint8).zero_()
         a, b = int(cu_seqlens[0]), int(cu_seqlens[-1])
         if cu_seqlens_k is None:
             k, v = k[a:b], v[a:b]
-        out = reference_attention(q[a:b], k, v, cu_seqlens - a, True, softmax_scale, cu_seqlens_k=cu_seqlens_k)
+        out = varlen_attention(q[a:b], k, v, cu_seqlens - a, True, softmax_scale, cu_seqlens_k)[0]
         t = q.shape[0]
-        prefill.post_quantize_rows(out, output_scale, output, output_block_scale, a, t)
+        row_plan.post_quantize_rows(out, output_scale, output, output_block_scale, a, t)
 
 
 @pytest.mark.parametrize("lens", [
@@ -865,7 +868,7 @@ def test_fused_kernel_rows_and_post_quantized_rows_share_the_buffers(layer, monk
     """Decode rows and rows of prefills with context the backend does not run are written after the
     kernel (whose entry may clobber scale bytes of rows it does not own): byte-equal to the unfused
     graph; the kernel's rows within the requantization bound; every byte written; padding zero."""
-    from fusion_pass.demo import requantization_bound
+    from fusion_pass.demo.workload import requantization_bound
 
     query_lens, context_lens, want = lens
     fake = _ClobberingKernelBackend()
@@ -886,7 +889,7 @@ def test_fused_kernel_rows_and_post_quantized_rows_share_the_buffers(layer, monk
     for s, inputs in steps:
         ref = layer.call_unfused(s, inputs, GS)
     t, locs = spec.num_tokens, spec.query_start_loc()
-    exact = [i for i, r in enumerate(spec.requests) if not prefill.fuses(fake, r)]
+    exact = [i for i, r in enumerate(spec.requests) if r.is_decode or not backends.base.fuses(fake, r.context_len)]
     for i in exact:  # decode rows and prefills with context: the unfused graph's bytes
         a, b = locs[i], locs[i + 1]
         n_blocks = layer.width // nvfp4.BLOCK_SIZE
@@ -897,8 +900,8 @@ def test_fused_kernel_rows_and_post_quantized_rows_share_the_buffers(layer, monk
     want_hat = nvfp4.dequantize(ref[0], ref[1].view(torch.float8_e4m3fn), GS, m=t)
     assert bool(((got_hat - want_hat).abs() <= requantization_bound(want_hat, GS)).all())
     assert bool((scales[_padding_mask(t, layer.width)] == 0).all())
-    counts = guard.counters()
+    counts = counters.counters()
     assert counts["fused_by_backend"] == {"clobbering": 4}
-    fused_rows = sum(r.query_len for r in spec.requests if prefill.fuses(fake, r))
+    fused_rows = sum(r.query_len for r in spec.requests if not r.is_decode and backends.base.fuses(fake, r.context_len))
     assert counts["tokens"]["prefill_fused"] == 2 * (first.num_tokens + fused_rows)
     assert (want == "partial") == (fused_rows < spec.num_tokens - spec.num_decode_tokens)

@@ -21,8 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from fusion_pass import kernels, nvfp4
-from fusion_pass.kernels import flash_attention as fa
-from fusion_pass.kernels import nvfp4_quant
+from fusion_pass.kernels import choice
+from fusion_pass.kernels import launchers, reference
+from fusion_pass.kernels.fa4 import sm90 as fa4_sm90
+from fusion_pass.kernels.triton import flash_attention as fa
+from fusion_pass.kernels.triton import quantize as nvfp4_quant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -72,13 +75,13 @@ def test_quant_matches_reference_bytes_into_poisoned_buffers(m, k, dtype, swizzl
         x[1, :16] = -0.0  # sign kept: code 8
         x[2, 16 % k : 16 % k + 16] = 6e4  # saturating scale
     x = x.to(dtype)
-    want_packed, want_scales = nvfp4.quantize_reference(x, gs, swizzled=swizzled)
+    want_packed, want_scales = nvfp4.quantize(x, gs, swizzled=swizzled)
     rows, cols = nvfp4.scale_shape(m, k, swizzled=swizzled)
     results = []
     for poison in (0x00, 0xFF):
         packed = torch.full((m, k // 2), poison, dtype=torch.uint8, device=DEVICE)
         scales = torch.full((rows, cols), poison, dtype=torch.uint8, device=DEVICE)
-        got_packed, got_scales = nvfp4_quant.quantize(x, gs, swizzled=swizzled, packed=packed, scales=scales)
+        got_packed, got_scales = nvfp4_quant.quantize_launch(x, gs, swizzled=swizzled, packed=packed, scales=scales)
         assert got_packed.data_ptr() == packed.data_ptr() and got_scales.data_ptr() == scales.data_ptr()
         results.append((packed.clone(), scales.clone()))
     for packed, scales in results:
@@ -98,8 +101,8 @@ def test_quant_rounds_block_scales_like_the_e4m3_cast():
     x[:, 5] = -targets * 3
     x = x.to(DEVICE)
     one = torch.ones(1, device=DEVICE)
-    _, got = nvfp4_quant.quantize(x, one, swizzled=False)
-    _, want = nvfp4.quantize_reference(x, one, swizzled=False)
+    _, got = nvfp4_quant.quantize_launch(x, one, swizzled=False)
+    _, want = nvfp4.quantize(x, one, swizzled=False)
     assert torch.equal(scale_bytes(got), scale_bytes(want))
     assert torch.equal(scale_bytes(want).cpu(), targets.to(FP8).view(torch.uint8).view(-1, 1))
 
@@ -109,11 +112,11 @@ def test_quant_entry_point_flattens_and_checks():
     x = randn(gen, 3, 5, 32, dtype=torch.bfloat16)
     gs = torch.tensor([100.0], device=DEVICE)
     got = kernels.quantize(x, gs)
-    want = nvfp4.quantize_reference(x, gs)
+    want = nvfp4.quantize(x, gs)
     assert torch.equal(got[0], want[0]) and torch.equal(scale_bytes(got[1]), scale_bytes(want[1])), seed
     with pytest.raises(ValueError, match=r"divisible by 16"):
         kernels.quantize(torch.ones(4, 20, device=DEVICE), gs)
-    with pytest.raises(TypeError, match=r"global_scale must be a float32 tensor"):
+    with pytest.raises(TypeError, match=r"global_scale must be a one-element float32 tensor"):
         kernels.quantize(x, 2.0)
 
 
@@ -125,7 +128,7 @@ def test_scaled_fp4_quant_op_on_cuda_is_the_triton_kernel_with_reference_bytes()
     x = randn(gen, 333, 1024, dtype=torch.bfloat16)
     gs = torch.tensor([448 * 6 / float(x.float().abs().amax())], device=DEVICE)
     packed, scales = ops.scaled_fp4_quant(x, gs)
-    want_packed, want_scales = nvfp4.quantize_reference(x, gs)
+    want_packed, want_scales = nvfp4.quantize(x, gs)
     assert torch.equal(packed, want_packed), seed
     assert torch.equal(scale_bytes(scales), scale_bytes(want_scales)), seed
 
@@ -161,7 +164,7 @@ def make_qkv(gen, heads, kv_heads, dqk, dv, lengths, dtype):
 
 def reference_attention(q, k, v, cu, causal, dtype=torch.float64):
     """Per sequence, in ``dtype`` on the CPU (float64: the oracle)."""
-    from fusion_pass.dense import attention_with_lse
+    from fusion_pass.kernels.reference import dense_attention
 
     out = []
     bounds = cu.tolist()
@@ -175,7 +178,7 @@ def reference_attention(q, k, v, cu, causal, dtype=torch.float64):
             p = scores.softmax(-1)
             out.append(torch.einsum("hqk,khd->qhd", p, vs.repeat_interleave(q.shape[1] // v.shape[1], 1)))
         else:
-            out.append(attention_with_lse(qs, ks, vs, scale=scale, causal=causal)[0])
+            out.append(dense_attention(qs, ks, vs, scale=scale, causal=causal)[0])
     return torch.cat(out)
 
 
@@ -243,9 +246,9 @@ def test_attention_nvfp4_output_within_fa4s_criterion(case, dtype):
     assert not linear[t:].view(torch.uint8).any(), "padding rows of the scale buffer must be zero"
 
     kernel = nvfp4.dequantize(packed.cpu(), scales.cpu().view(FP8), gs.cpu()).double()
-    eager_packed, eager_scales = nvfp4.quantize_reference(eager_half_attention(q, k, v, cu, True).reshape(t, -1), gs)
+    eager_packed, eager_scales = nvfp4.quantize(eager_half_attention(q, k, v, cu, True).reshape(t, -1), gs)
     eager = nvfp4.dequantize(eager_packed.cpu(), eager_scales.cpu(), gs.cpu()).double()
-    ref_packed, ref_scales = nvfp4.quantize_reference(ref.float(), gs.cpu())
+    ref_packed, ref_scales = nvfp4.quantize(ref.float(), gs.cpu())
     step = code_step(ref_packed, ref_scales, gs).double()
     kernel_err = (kernel - ref).abs().max().item()
     eager_err = (eager - ref).abs().max().item()
@@ -262,7 +265,7 @@ def test_reference_backend_is_float32_attention_then_reference_quant():
     gs = torch.tensor([50.0], device=DEVICE)
     packed, scales = kernels.attention_nvfp4(q, k, v, cu, 9, gs, backend="reference")
     ref = reference_attention(q, k, v, cu, True, dtype=torch.float32).reshape(13, -1)
-    want = nvfp4.quantize_reference(ref.to(DEVICE), gs)
+    want = nvfp4.quantize(ref.to(DEVICE), gs)
     assert torch.equal(packed, want[0]) and torch.equal(scale_bytes(scales), scale_bytes(want[1])), seed
     out = kernels.attention(q, k, v, cu, 9, backend="reference")
     assert torch.equal(out.cpu(), ref.reshape(13, 2, 16).to(torch.bfloat16))
@@ -344,10 +347,10 @@ def test_unavailable_backends_say_why(monkeypatch):
         with pytest.raises(RuntimeError, match=r"backend 'triton' is unavailable: triton runs on CUDA tensors"):
             kernels.attention(q, k, v, cu, 6, backend="triton")
         # auto never picks the interpreter: CPU tensors get the reference
-        assert kernels._choose("attention", "auto", q, v) == "reference"
+        assert choice.choose("attention", "auto", q, v) == "reference"
     else:
-        fa4_ok = kernels.fa4_sm90_usable(q.device, q.dtype, q.shape[1], q.shape[2], v.shape[2])[0]
-        assert kernels._choose("attention", "auto", q, v) == ("fa4" if fa4_ok else "triton")
+        fa4_ok = fa4_sm90.fa4_sm90_usable(q.device, q.dtype, q.shape[1], q.shape[2], v.shape[2])[0]
+        assert choice.choose("attention", "auto", q, v) == ("fa4" if fa4_ok else "triton")
 
 
 # ---------------------------------------------------------------------------
@@ -360,8 +363,9 @@ def test_attention_op_fuses_prefill_and_falls_back_byte_equal_on_decode():
     batch takes the fused path (the ``triton`` backend on CUDA, ``reference`` on the CPU)
     within the requantization bound of the unfused bytes; a decode batch falls back and
     its bytes equal the unfused path's (attention in bf16, then ``scaled_fp4_quant``)."""
-    from fusion_pass import guard, ops, runtime
-    from fusion_pass.demo import compare_nvfp4
+    from fusion_pass import ops, runtime
+    from fusion_pass.runtime import counters, guard
+    from fusion_pass.demo.workload import compare_nvfp4
     from fusion_pass.runtime import BatchSpec, RequestSpec
 
     heads, kv_heads, dim = (8, 2, 128) if CUDA else (2, 1, 32)
@@ -390,16 +394,16 @@ def test_attention_op_fuses_prefill_and_falls_back_byte_equal_on_decode():
                 rows, cols = nvfp4.scale_shape(t, heads * dim)
                 packed = torch.full((t, heads * dim // 2), 0xAB, dtype=torch.uint8, device=DEVICE)
                 scales = torch.full((rows, cols // 4), -1, dtype=torch.int32, device=DEVICE)  # vLLM's allocation
-                before = guard.counters()
+                before = counters.counters()
                 torch.ops.fusion_pass.attention_with_output(q, k, v, packed, "test_kernels.attn", gs, scales)
-                after = guard.counters()
+                after = counters.counters()
             fused = after["fused"] - before["fused"]
             assert (fused == 1) == (want_path == "fused"), f"{spec.kind}: guard took the wrong path"
             equal, err, bound, within = compare_nvfp4([(packed, scales.view(FP8))], [unfused], [gs])
             if want_path == "fused":
-                decision = guard.decide(spec, device=q.device, dtype=q.dtype, num_heads=heads,
-                                        qk_head_dim=dim, v_head_dim=dim)
-                fa4_ok = kernels.fa4_sm90_usable(q.device, q.dtype, heads, dim, dim)[0]
+                decision = guard.decide(guard.BatchRows.from_spec(spec),
+                                        guard.LayerShape(q.device, q.dtype, heads, dim, dim))
+                fa4_ok = fa4_sm90.fa4_sm90_usable(q.device, q.dtype, heads, dim, dim)[0]
                 assert decision.backend == (("fa4" if fa4_ok else "triton") if CUDA else "reference")
                 assert within, f"fused NVFP4 off the unfused bytes by {err:.3e} > {bound:.3e} (seed {seed})"
             else:
@@ -520,7 +524,7 @@ def test_context_attention_half_and_lse_against_float64(heads, causal):
 
 @pytest.mark.parametrize("heads", CONTEXT_HEADS, ids=lambda c: f"H{c[0]}kv{c[1]}d{c[2]}-{c[3]}")
 def test_context_attention_nvfp4_within_fa4s_criterion_at_global_rows(heads):
-    """The fused backend's call (:func:`kernels.flash_attention_nvfp4_varlen`) with ``cu_seqlens_k``
+    """The fused backend's call (:func:`launchers.flash_attention_nvfp4_varlen`) with ``cu_seqlens_k``
     and ``cu_seqlens[0] > 0``: the rows of the sequences within the criterion of
     :func:`test_attention_nvfp4_output_within_fa4s_criterion` (errors against float64 over the
     full sequences), every byte of them written (two poisons agree), the rows before and after
@@ -540,7 +544,7 @@ def test_context_attention_nvfp4_within_fa4s_criterion_at_global_rows(heads):
         packed = torch.full((t, h * dv // 2), poison, dtype=torch.uint8, device=DEVICE)
         scales = torch.full((rows, cols // 4), int.from_bytes(bytes([poison] * 4), "little", signed=True),
                             dtype=torch.int32, device=DEVICE)  # vLLM's allocation
-        kernels.flash_attention_nvfp4_varlen(
+        launchers.flash_attention_nvfp4_varlen(
             q, k, v, cu_seqlens=cu, max_seqlen=max(case.query_lens), softmax_scale=1 / math.sqrt(q.shape[2]),
             causal=True, output=packed, output_scale=gs, output_block_scale=scales, cu_seqlens_k=cu_k,
             max_seqlen_k=max(case.key_lens),
@@ -558,8 +562,8 @@ def test_context_attention_nvfp4_within_fa4s_criterion_at_global_rows(heads):
 
     kernel = nvfp4.dequantize(packed, scales, gs.cpu()).double()[a:e]
     eager = eager_half_context_attention(q, k, v, cu, cu_k).reshape(t, -1)[a:e]
-    eager = nvfp4.dequantize(*nvfp4.quantize_reference(eager, gs), gs).cpu().double()
-    ref_packed, ref_scales = nvfp4.quantize_reference(ref[a:e].float(), gs.cpu())
+    eager = nvfp4.dequantize(*nvfp4.quantize(eager, gs), gs).cpu().double()
+    ref_packed, ref_scales = nvfp4.quantize(ref[a:e].float(), gs.cpu())
     step = code_step(ref_packed, ref_scales, gs).double()
     kernel_err = (kernel - ref[a:e]).abs().max().item()
     eager_err = (eager - ref[a:e]).abs().max().item()
@@ -599,11 +603,11 @@ def test_context_public_entry_points(causal):
     ref_out, ref_lse32 = kernels.attention_with_lse(q, k, v, cu, max_q, backend="reference", **ctx)
     assert ((ref_out.cpu().double() - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())).item(), str(case)
     assert_lse_close(ref_lse32, ref_lse, slice(0, t), f"reference ({case})")
-    dense_out = kernels.reference_attention(q, k, v, cu, causal, 1 / math.sqrt(q.shape[2]), cu_seqlens_k=cu_k)
+    dense_out = reference.varlen_attention(q, k, v, cu, causal, 1 / math.sqrt(q.shape[2]), cu_k)[0]
     assert torch.equal(dense_out, ref_out)
     assert torch.equal(kernels.attention(q, k, v, cu, max_q, backend="reference", **ctx), ref_out.to(dtype))
     packed, scales = kernels.attention_nvfp4(q, k, v, cu, max_q, gs, backend="reference", **ctx)
-    want = nvfp4.quantize_reference(ref_out.reshape(t, -1), gs)
+    want = nvfp4.quantize(ref_out.reshape(t, -1), gs)
     assert torch.equal(packed, want[0]) and torch.equal(scale_bytes(scales), scale_bytes(want[1])), str(case)
 
 
@@ -719,7 +723,7 @@ def test_fused_call_rejects_bad_cu_seqlens_k_without_reading_it(cu_k, match):
     cu_k = cu_k()  # built on the device: moving a strided tensor there would make it contiguous
     rows, cols = nvfp4.scale_shape(10, 4 * 16)
     with pytest.raises(ValueError, match=match):
-        kernels.flash_attention_nvfp4_varlen(
+        launchers.flash_attention_nvfp4_varlen(
             a["q"], a["k"], a["v"], cu_seqlens=a["cu"], max_seqlen=6, softmax_scale=0.1, causal=True,
             output=torch.zeros(10, 32, dtype=torch.uint8, device=DEVICE), output_scale=torch.ones(1, device=DEVICE),
             output_block_scale=torch.zeros(rows, cols, dtype=torch.uint8, device=DEVICE), cu_seqlens_k=cu_k,
@@ -739,7 +743,7 @@ def test_fused_call_with_cu_seqlens_k_does_not_synchronize():
                 output_block_scale=torch.empty(rows, cols // 4, dtype=torch.int32, device=DEVICE))
 
     def call():
-        kernels.flash_attention_nvfp4_varlen(
+        launchers.flash_attention_nvfp4_varlen(
             q, k, v, cu_seqlens=cu, max_seqlen=max(case.query_lens), softmax_scale=0.1, causal=True,
             cu_seqlens_k=cu_k, max_seqlen_k=max(case.key_lens), **bufs,
         )

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from fusion_pass import nvfp4, runtime
-from fusion_pass.layers import Attention, MLAAttention, NVFP4Linear, global_scale_for
-from fusion_pass.models import GQAConfig, MLAConfig, build_gqa_model, build_mla_model, release_layers
+from fusion_pass.demo.layers import Attention, MLAAttention, NVFP4Linear, global_scale_for
+from fusion_pass.demo.models import GQAConfig, MLAConfig, build_gqa_model, build_mla_model, release_layers
 
 
 def _linear_error_bound(x, weight, layer: NVFP4Linear):

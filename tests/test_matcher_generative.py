@@ -77,8 +77,9 @@ from graph_cases import (CLONE, CONTIGUOUS, TO_FLOAT, VIEW_FP16, Case, finalize,
                          op_named, op_view)
 
 import fusion_pass.runtime as runtime_module  # noqa: E402
-from fusion_pass import backends, guard, nvfp4, runtime  # noqa: E402
-from fusion_pass.fusion import FusionPass  # noqa: E402
+from fusion_pass import nvfp4, runtime  # noqa: E402
+from fusion_pass.runtime import backends, counters, guard, settings
+from fusion_pass.compile.graph_pass import FusionPass  # noqa: E402
 from fusion_pass.ops import tap_gemm_inputs  # noqa: E402
 from fusion_pass.runtime import BatchSpec, RequestSpec  # noqa: E402
 
@@ -234,21 +235,21 @@ GROUP_OF = {c.id: i for i, group in enumerate(GROUPS) for c in group}
 def _clean_compile_state(monkeypatch, caplog):
     """Fresh Dynamo caches, no FX graph cache, the reference backend pinned, zeroed guard counters."""
     caplog.set_level(logging.WARNING, logger="torch.__trace")  # failure reports without Dynamo's trace records
-    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(settings.BACKEND_ENV, raising=False)
     monkeypatch.delenv("FUSION_PASS_DUMP", raising=False)
     torch._dynamo.reset()
-    guard.reset_counters()
+    counters.reset_counters()
     # one intra-op thread: the tensors here are tiny, and on a shared 2-core machine OpenMP's spinning
     # second thread costs a third of the file's time
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with inductor_config.patch(fx_graph_cache=False), backends.use_backend("reference"):
+        with inductor_config.patch(fx_graph_cache=False), settings.use_backend("reference"):
             yield
     finally:
         torch.set_num_threads(threads)
     runtime.clear_kv_caches()
-    guard.reset_counters()
+    counters.reset_counters()
     torch._dynamo.reset()
 
 
@@ -410,7 +411,7 @@ def _run_group(cases, form: str, with_pass: bool):
     # on the post-grad graph, before any code is generated
     with inductor_config.patch({"enable_auto_functionalized_v2": form == "v2", "fx_graph_cache": False,
                                 "cpp.vec_isa_ok": False}), \
-            backends.use_backend("reference"), _LastLayer() as last:
+            settings.use_backend("reference"), _LastLayer() as last:
         compiled = torch.compile(_group_function(cases), fullgraph=True,
                                  options={"post_grad_custom_post_pass": counting, "fx_graph_cache": False})
         for k, spec in enumerate(STEPS):
@@ -530,7 +531,7 @@ def _within_bound(case: Case, k: int, ref, got) -> str | None:
 
 def _rows_within_bound(case: Case, k: int, ref, got) -> str | None:
     """A mixed / chunked step: decode rows bitwise equal, prefill rows within the requantization bound."""
-    from fusion_pass.demo import requantization_bound, rows_equal
+    from fusion_pass.demo.workload import requantization_bound, rows_equal
 
     spec, t, w = STEPS[k], STEPS[k].num_tokens, case.width
     (a_ref, sf_ref, *_), (a_got, sf_got, *_) = ref, got

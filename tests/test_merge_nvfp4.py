@@ -1,8 +1,8 @@
-"""The NVFP4-writing attention-state merge: ``fusion_pass.kernels.merge_nvfp4``.
+"""The NVFP4-writing attention-state merge: ``fusion_pass.kernels.triton.merge``.
 
 Oracle: the ``reference`` backend's bytes are those of the reference quantizer
-(:func:`fusion_pass.nvfp4.quantize_reference` of the whole ``T``-row matrix) applied to
-:func:`fusion_pass.dense.merge_attention`'s float32 result, in the merged rows, with
+(:func:`fusion_pass.nvfp4.quantize` of the whole ``T``-row matrix) applied to
+:func:`fusion_pass.kernels.reference.merge_attention`'s float32 result, in the merged rows, with
 the outputs of empty parts (``lse = -inf``) taken as 0. Every generated input puts NaN
 in those outputs, so an empty part that was read would show.
 
@@ -50,9 +50,9 @@ import pytest
 import torch
 
 from fusion_pass import kernels, nvfp4
-from fusion_pass.dense import merge_attention
-from fusion_pass.kernels import merge_nvfp4
-from fusion_pass.kernels.merge_nvfp4 import merge_attention_nvfp4
+from fusion_pass.kernels.reference import merge_attention
+from fusion_pass.kernels.triton import merge as merge_nvfp4
+from fusion_pass.kernels import merge_attention_nvfp4
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -219,7 +219,7 @@ def whole_buffer_bytes(case: Case, merged: torch.Tensor, gs: torch.Tensor) -> tu
     owned = torch.zeros(nvfp4.round_up(case.t, 128), dtype=torch.bool)
     x[case.row_start : case.row_start + case.m] = merged
     owned[case.row_start : case.row_start + case.m] = True
-    return expected(case.t, case.k, *nvfp4.quantize_reference(x, gs.cpu()), owned)
+    return expected(case.t, case.k, *nvfp4.quantize(x, gs.cpu()), owned)
 
 
 def assert_others_poisoned(case: Case, packed: torch.Tensor, scales: torch.Tensor, what: str) -> None:
@@ -506,12 +506,12 @@ BAD_ARGS = [
     ({"lse_a": torch.randn(M, H, 1)}, ValueError, r"lse_a must be \[M, H\] = \[4, 2\]"),
     ({"lse_a": _meta(M, H)}, ValueError, r"lse_a must be on out_a's device cpu"),
     ({"lse_b": 0.0}, TypeError, r"lse_b must be a tensor"),
-    ({"global_scale": torch.tensor([2.0], dtype=torch.float64)}, TypeError, r"global_scale must be a float32 tensor"),
-    ({"global_scale": torch.tensor([2.0, 3.0])}, ValueError, r"global_scale must have exactly one element"),
+    ({"global_scale": torch.tensor([2.0], dtype=torch.float64)}, TypeError, r"global_scale must be a one-element float32 tensor"),
+    ({"global_scale": torch.tensor([2.0, 3.0])}, ValueError, r"global_scale must be a one-element float32 tensor \(it has"),
     ({"global_scale": torch.tensor([-1.0])}, ValueError, r"global_scale must be positive and finite"),
     ({"global_scale": torch.tensor([float("inf")])}, ValueError, r"global_scale must be positive and finite"),
     ({"global_scale": _meta(1)}, ValueError, r"global_scale must be on the same device"),
-    ({"global_scale": 2.0}, TypeError, r"global_scale must be a float32 tensor"),
+    ({"global_scale": 2.0}, TypeError, r"global_scale must be a one-element float32 tensor"),
     ({"packed": torch.zeros(T, H * DV, dtype=torch.uint8)}, ValueError,
      r"packed must be a uint8 tensor \[T, H\*Dv/2\] = \[T, 16\] for out_a's H\*Dv=32"),
     ({"packed": torch.zeros(T, H * DV // 2, dtype=torch.int8)}, ValueError, r"packed must be a uint8 tensor"),

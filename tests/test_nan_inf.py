@@ -199,7 +199,7 @@ def test_reference_writes_the_contract_bytes(case):
     _, dtype, m, k, swizzled = case
     seed = fresh_seed()
     x, gs = make_case(seed, dtype, m, k)
-    packed, scales = nvfp4.quantize_reference(x, gs, swizzled=swizzled)
+    packed, scales = nvfp4.quantize(x, gs, swizzled=swizzled)
     assert_contract(x, gs.item(), packed, scales, swizzled, f"reference (seed {seed})")
 
     # the other blocks: as if the special ones were zero
@@ -207,7 +207,7 @@ def test_reference_writes_the_contract_bytes(case):
     special = nan_block | inf_block
     clean = x.clone().reshape(m, -1, 16)
     clean[special.to(x.device)] = 0
-    clean_packed, clean_scales = nvfp4.quantize_reference(clean.reshape(m, k), gs, swizzled=swizzled)
+    clean_packed, clean_scales = nvfp4.quantize(clean.reshape(m, k), gs, swizzled=swizzled)
     same_scale = linear_scale_bytes(scales, m, k // 16, swizzled) == linear_scale_bytes(clean_scales, m, k // 16, swizzled)
     same_codes = (codes_of(packed) == codes_of(clean_packed)).all(-1)
     assert (same_scale & same_codes)[~special].all(), f"special blocks changed other blocks (seed {seed})"
@@ -225,16 +225,16 @@ def test_reference_writes_the_contract_bytes(case):
 @needs_triton
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_triton_quantizer_matches_reference_bytes(case):
-    from fusion_pass.kernels import nvfp4_quant
+    from fusion_pass.kernels.triton import quantize as nvfp4_quant
 
     _, dtype, m, k, swizzled = case
     seed = fresh_seed()
     x, gs = make_case(seed, dtype, m, k)
-    want_packed, want_scales = nvfp4.quantize_reference(x, gs, swizzled=swizzled)
+    want_packed, want_scales = nvfp4.quantize(x, gs, swizzled=swizzled)
     rows, cols = nvfp4.scale_shape(m, k, swizzled=swizzled)
     packed = torch.full((m, k // 2), 0xAB, dtype=torch.uint8, device=DEVICE)
     scales = torch.full((rows, cols), 0xAB, dtype=torch.uint8, device=DEVICE)
-    got_packed, got_scales = nvfp4_quant.quantize(x, gs, swizzled=swizzled, packed=packed, scales=scales)
+    got_packed, got_scales = nvfp4_quant.quantize_launch(x, gs, swizzled=swizzled, packed=packed, scales=scales)
     assert torch.equal(got_scales.view(torch.uint8), want_scales.view(torch.uint8)), f"scales differ (seed {seed})"
     assert torch.equal(got_packed, want_packed), f"packed codes differ (seed {seed})"
     assert_contract(x, gs.item(), got_packed, got_scales, swizzled, f"triton quantizer (seed {seed})")
@@ -255,11 +255,11 @@ def test_fixed_blocks(dtype):
     x = x.to(dtype).to(DEVICE)
     for gs_value in (1.0, 1e30):
         gs = torch.tensor([gs_value], device=DEVICE)
-        results = [nvfp4.quantize_reference(x, gs, swizzled=False)]
+        results = [nvfp4.quantize(x, gs, swizzled=False)]
         if TRITON:
-            from fusion_pass.kernels import nvfp4_quant
+            from fusion_pass.kernels.triton import quantize as nvfp4_quant
 
-            results.append(nvfp4_quant.quantize(x, gs, swizzled=False))
+            results.append(nvfp4_quant.quantize_launch(x, gs, swizzled=False))
         for packed, scales in results:
             sf = scales.view(torch.uint8).cpu().flatten().tolist()
             codes = codes_of(packed).reshape(6, 16)
@@ -284,7 +284,7 @@ def test_attention_nvfp4_epilogue_follows_the_contract(dtype, causal):
     """NaN / ±Inf in ``v`` reach the attention output. The NVFP4 epilogue's bytes equal
     the reference quantization of the same kernel's float32 output (the half epilogue
     writing float32): on every block in the interpreter, on the NaN / Inf blocks on CUDA."""
-    from fusion_pass.kernels import flash_attention as fa
+    from fusion_pass.kernels.triton import flash_attention as fa
 
     seed = fresh_seed()
     rng = random.Random(seed)
@@ -310,7 +310,7 @@ def test_attention_nvfp4_epilogue_follows_the_contract(dtype, causal):
 
     packed, scales = fa.flash_attention_nvfp4(q, k, v, cu, max(lengths), gs, causal=causal)
     assert_contract(out32, gs.item(), packed, scales, True, f"NVFP4 epilogue (seed {seed})")
-    want_packed, want_scales = nvfp4.quantize_reference(out32, gs)
+    want_packed, want_scales = nvfp4.quantize(out32, gs)
     n_blocks = heads * dim // 16
     same = (linear_scale_bytes(scales, t, n_blocks, True) == linear_scale_bytes(want_scales, t, n_blocks, True)) & (
         codes_of(packed) == codes_of(want_packed)
@@ -329,7 +329,8 @@ def test_attention_op_paths_follow_the_contract():
     the values: the fallback (decode) bytes equal ``scaled_fp4_quant`` of the op's own
     half-precision output, and on both paths the NaN / Inf blocks hold the contract's
     scale byte, the NaN blocks zero codes and the infinite elements codes 0x7 / 0xF."""
-    from fusion_pass import guard, ops, runtime
+    from fusion_pass import ops, runtime
+    from fusion_pass.runtime import counters, guard
     from fusion_pass.runtime import BatchSpec, RequestSpec
 
     heads, kv_heads, dim = (8, 2, 128) if CUDA else (2, 1, 32)
@@ -364,9 +365,9 @@ def test_attention_op_paths_follow_the_contract():
                 rows, cols = nvfp4.scale_shape(t, heads * dim)
                 packed = torch.full((t, heads * dim // 2), 0xAB, dtype=torch.uint8, device=DEVICE)
                 scales = torch.full((rows, cols // 4), -1, dtype=torch.int32, device=DEVICE)
-                before = guard.counters()
+                before = counters.counters()
                 torch.ops.fusion_pass.attention_with_output(q, k, v, packed, "test_nan_inf.attn", gs, scales)
-                after = guard.counters()
+                after = counters.counters()
             assert (after["fused"] - before["fused"] == 1) == (want_path == "fused"), f"{spec.kind}: wrong path"
             nan_block, inf_block = special_blocks(half)
             assert nan_block.any() and inf_block.any(), f"{want_path}: no NaN / Inf blocks (seed {seed})"

@@ -72,7 +72,7 @@ def test_quant_out_rejects_bad_buffers(output, output_scale, match):
 def test_quant_rejects_bad_input():
     with pytest.raises(ValueError, match="divisible by 16"):
         scaled_fp4_quant(torch.randn(4, 24), torch.tensor([1.0]))
-    with pytest.raises(ValueError, match="global_scale"):
+    with pytest.raises(ValueError, match=r"input_scale \(the global scale\)"):
         scaled_fp4_quant(torch.randn(4, 32), torch.tensor([1.0, 2.0]))
 
 

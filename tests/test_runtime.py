@@ -15,7 +15,7 @@ from fusion_pass.runtime import (
     BatchSpec,
     MLAAttentionImpl,
     RequestSpec,
-    attention_with_lse,
+    dense_attention,
     batch,
     clear_kv_caches,
     current_batch,
@@ -215,7 +215,7 @@ def test_mla_decode_uses_absorbed_form(monkeypatch):
     def no_expand(*args, **kwargs):
         raise AssertionError("decode expanded the latent cache through kv_b_proj")
 
-    monkeypatch.setattr(scen.impl, "_expand", no_expand)
+    monkeypatch.setattr(scen.impl, "expand", no_expand)
     spec = BatchSpec.from_lens([1, 1], [4, 5])
     _check_batch(scen, spec, scen.run(spec), what="decode")
     with pytest.raises(AssertionError, match="expanded"):
@@ -499,7 +499,7 @@ def test_attention_with_lse_matches_sdpa(tq, tk, h, hkv, causal, q_offset):
     k = torch.randn(tk, hkv, 8, generator=g, dtype=torch.float64)
     v = torch.randn(tk, hkv, 5, generator=g, dtype=torch.float64)
     ref_out, ref_lse = _sdpa_reference(q, k, v, 0.4, causal, q_offset)
-    out, lse = attention_with_lse(q.float(), k.float(), v.float(), scale=0.4, causal=causal, q_offset=q_offset)
+    out, lse = dense_attention(q.float(), k.float(), v.float(), scale=0.4, causal=causal, q_offset=q_offset)
     assert out.dtype == lse.dtype == torch.float32
     assert out.shape == (tq, h, 5) and lse.shape == (tq, h)
     torch.testing.assert_close(out.double(), ref_out, **TOL)
@@ -508,18 +508,18 @@ def test_attention_with_lse_matches_sdpa(tq, tk, h, hkv, causal, q_offset):
 
 def test_attention_with_lse_rows_without_keys():
     q, k, v = torch.randn(4, 2, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 5)
-    out, lse = attention_with_lse(q, k, v, scale=1.0, causal=True, q_offset=-2)
+    out, lse = dense_attention(q, k, v, scale=1.0, causal=True, q_offset=-2)
     # rows 0, 1 (positions -2, -1) see nothing; rows 2, 3 see keys 0 and 0..1.
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[:2] == 0).all() and torch.isneginf(lse[:2]).all()
     assert torch.isfinite(lse[2:]).all()
-    out, lse = attention_with_lse(q, k[:0], v[:0], scale=1.0, causal=False)
+    out, lse = dense_attention(q, k[:0], v[:0], scale=1.0, causal=False)
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
 def test_attention_with_lse_head_validation():
     with pytest.raises(ValueError, match="does not divide"):
-        attention_with_lse(torch.randn(2, 4, 8), torch.randn(2, 3, 8), torch.randn(2, 3, 8), scale=1.0, causal=False)
+        dense_attention(torch.randn(2, 4, 8), torch.randn(2, 3, 8), torch.randn(2, 3, 8), scale=1.0, causal=False)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -529,9 +529,9 @@ def test_merge_attention_of_two_halves_equals_whole(causal):
     k = torch.randn(8, 2, 8, generator=g)
     v = torch.randn(8, 2, 5, generator=g)
     off, m = 4, 6  # queries at positions 4..7; the second half has rows with no visible key
-    whole = attention_with_lse(q, k, v, scale=0.5, causal=causal, q_offset=off)
-    a = attention_with_lse(q, k[:m], v[:m], scale=0.5, causal=causal, q_offset=off)
-    b = attention_with_lse(q, k[m:], v[m:], scale=0.5, causal=causal, q_offset=off - m)
+    whole = dense_attention(q, k, v, scale=0.5, causal=causal, q_offset=off)
+    a = dense_attention(q, k[:m], v[:m], scale=0.5, causal=causal, q_offset=off)
+    b = dense_attention(q, k[m:], v[m:], scale=0.5, causal=causal, q_offset=off - m)
     if causal:
         assert torch.isneginf(b[1][:2]).all()
     out, lse = merge_attention(*a, *b)

@@ -202,7 +202,7 @@ def test_schedule_only_writes_the_json_without_the_model(tmp_path, capsys):
 
 
 def test_missing_token_counters_fail_with_a_clear_message(monkeypatch, capsys):
-    monkeypatch.setattr(st.guard, "counters", lambda: {"fused": 0, "fused_by_backend": {}, "fallback": {}})
+    monkeypatch.setattr(st.counters, "counters", lambda: {"fused": 0, "fused_by_backend": {}, "fallback": {}})
     assert st.main(["--tiny", "--steps", "3"]) == 2
     assert "has no per-token counters" in capsys.readouterr().err
 

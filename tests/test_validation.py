@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
-from fusion_pass import backends, guard, nvfp4, ops, prefill, runtime
+from fusion_pass import nvfp4, ops, runtime
+from fusion_pass.runtime import backends, counters, guard, row_plan, settings
 
 OPS = torch.ops.fusion_pass
 MLA_DIMS = dict(num_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32)
@@ -142,28 +143,28 @@ def _setup(layer, scenario):
     layer.impl.clear_cache()
     for s, i in history:
         layer.call(s, i)
-    guard.reset_counters()
+    counters.reset_counters()
     return history, spec, layer.inputs(spec.num_tokens, seed=99)
 
 
 def _cache_state(impl):
     """The cache's entries, by identity (entries are replaced, never modified in place)."""
-    return {rid: tuple(id(t) for t in entry) for rid, entry in impl._cache._entries.items()}
+    return {rid: tuple(id(t) for t in entry) for rid, entry in impl.cache.entries().items()}
 
 
 def _assert_rejected_without_trace(layer, history, spec, inputs, call, match, *, exc=ValueError, plain=False):
     """``call()`` raises; counters, cache unchanged; a valid retry equals a fresh run byte for byte."""
-    counters, cache = guard.counters(), _cache_state(layer.impl)
+    before, cache = counters.counters(), _cache_state(layer.impl)
     with pytest.raises(exc, match=match):
         call()
-    assert guard.counters() == counters, "a rejected call must not be counted"
+    assert counters.counters() == before, "a rejected call must not be counted"
     assert _cache_state(layer.impl) == cache, "a rejected call must not touch the KV cache"
     if plain:
         retry = layer.call_plain(spec, inputs)
-        assert guard.counters() == counters
+        assert counters.counters() == before
     else:
         retry = layer.call(spec, inputs)
-    after_retry = guard.counters()
+    after_retry = counters.counters()
     if not plain:
         assert after_retry["fused"] + sum(after_retry["fallback"].values()) == 1, "the retry is counted once"
     fresh = layer.fresh(history, spec, inputs, plain=plain)
@@ -202,13 +203,13 @@ def test_the_issue_scenario_zero_scale_then_retry():
         with pytest.raises(ValueError, match=r"^mla_attention_with_output: output_scale \(the global scale\) "
                                              r"must be positive and finite, got 0\.0$"):
             layer.call(spec, inputs, torch.tensor([0.0]))
-        assert guard.counters() == ZERO_COUNTERS
+        assert counters.counters() == ZERO_COUNTERS
         assert layer.impl.cache_len("r0") == 0 and layer.impl.cache_len("r1") == 0
         first = layer.call(spec, inputs)
         decode = runtime.BatchSpec.from_lens([1, 1], [6, 2])
         decode_inputs = layer.inputs(2, seed=2)
         second = layer.call(decode, decode_inputs)
-        assert guard.counters() == {"fused": 1, "fused_by_backend": {"reference": 1},
+        assert counters.counters() == {"fused": 1, "fused_by_backend": {"reference": 1},
                                     "fallback": {"decode_tokens": 1},
                                     "tokens": {"prefill": 8, "prefill_fused": 8, "post_quantized": {"decode_tokens": 2}}}
         layer.impl.clear_cache()
@@ -387,19 +388,19 @@ def test_a_failure_part_way_rolls_the_cache_back_and_is_not_counted(layer, monke
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    for scenario, target in (("prefill", "fusion_pass.backends._write_nvfp4"),
-                             ("mixed", "fusion_pass.backends.post_quantize_rows"),
-                             ("decode", "fusion_pass.ops._write_attention_output")):
+    for scenario, target in (("prefill", "fusion_pass.runtime.backends.reference.ReferenceBackend.run_varlen"),
+                             ("mixed", "fusion_pass.runtime.row_plan.post_quantize_rows"),
+                             ("decode", "fusion_pass.runtime.attention_call._write_output")):
         history, spec, inputs = _setup(layer, scenario)
-        counters, cache = guard.counters(), _cache_state(layer.impl)
+        before, cache = counters.counters(), _cache_state(layer.impl)
         with monkeypatch.context() as m:
             m.setattr(target, boom)
             with pytest.raises(RuntimeError, match="injected failure"):
                 layer.call(spec, inputs)
             # the attention did run and grow the cache before the failure
-            assert _cache_state(layer.impl) == cache and guard.counters() == counters
+            assert _cache_state(layer.impl) == cache and counters.counters() == before
         retry = layer.call(spec, inputs)
-        assert guard.counters()["fused"] == (0 if scenario == "decode" else 1)
+        assert counters.counters()["fused"] == (0 if scenario == "decode" else 1)
         fresh = layer.fresh(history, spec, inputs)
         assert torch.equal(retry[0], fresh[0]) and torch.equal(retry[1], fresh[1])
 
@@ -418,9 +419,9 @@ def test_check_inputs_is_side_effect_free_and_forward_still_works(layer):
     # the fused backends' input preparation still validates first and extends the cache once
     layer.impl.clear_cache()
     with pytest.raises(ValueError, match=rf"{layer.arg_names[0]} must have shape"):
-        prefill.prefill_qkv(layer.impl, (inputs[0][:-1],) + inputs[1:], spec)
+        layer.impl.prefill_qkv(inputs[0][:-1], *inputs[1:], spec)
     assert layer.impl.cache_len("r0") == 0
-    prefill.prefill_qkv(layer.impl, inputs, spec)
+    layer.impl.prefill_qkv(*inputs, spec)
     assert layer.impl.cache_len("r0") == 4 and layer.impl.cache_len("r1") == 2
 
 
@@ -459,8 +460,8 @@ QUANT_BAD = {
         (lambda x: x[0, 0], r"input must be \[\.\.\., K\] with K divisible by 16, got shape \[\]"),
     ],
     "input_scale": [
-        (lambda g: g.double(), r"input_scale \(the global scale; input_global_scale .*\) must be a float32 tensor "
-                               r"with one element on the input's device cpu, got torch.float64 \[1\]"),
+        (lambda g: g.double(), r"input_scale \(the global scale\) must be a one-element float32 tensor, "
+                               r"got torch.float64 \[1\]"),
         (lambda g: g.half(), r"input_scale .* got torch.float16"),
         (lambda g: torch.tensor([40.0, 1.0]), r"input_scale .* got torch.float32 \[2\]"),
         (lambda g: torch.empty(0), r"input_scale .* got torch.float32 \[0\]"),
@@ -628,7 +629,7 @@ def _run_threads(targets, timeout=60):
 
 def test_use_backend_is_scoped_to_the_thread_that_entered_it():
     """Three threads overlap: two inside their own use_backend block, one with the process default."""
-    backends.set_backend("triton")  # the process-wide default (unavailable here: falls back)
+    settings.set_backend("triton")  # the process-wide default (unavailable here: falls back)
     barrier = threading.Barrier(3, timeout=30)
     spec = runtime.BatchSpec.from_lens([9, 4])
     layers = {who: _make_layer("mla", f"test_validation.thread.{who}") for who in ("a", "b", "c")}
@@ -637,12 +638,12 @@ def test_use_backend_is_scoped_to_the_thread_that_entered_it():
     results = {}
 
     def observe(who):
-        decision = guard.decide(spec, device="cpu", dtype=torch.bfloat16, num_heads=2, qk_head_dim=24, v_head_dim=16)
-        seen[who].append((backends.configured_backend(), decision.path, decision.backend,
+        decision = guard.decide(guard.BatchRows.from_spec(spec), guard.LayerShape("cpu", torch.bfloat16, 2, 24, 16))
+        seen[who].append((settings.configured_backend(), decision.path, decision.backend,
                           (decision.detail or "").split(":")[0]))
 
     def thread_a():
-        with backends.use_backend("reference"):
+        with settings.use_backend("reference"):
             barrier.wait()  # 1: every thread is inside its block (or has none)
             observe("a")
             results["a"] = layers["a"].call(spec, inputs)
@@ -652,7 +653,7 @@ def test_use_backend_is_scoped_to_the_thread_that_entered_it():
         barrier.wait()  # 4
 
     def thread_b():
-        with backends.use_backend("fa4"):
+        with settings.use_backend("fa4"):
             barrier.wait()  # 1
             observe("b")
             results["b"] = layers["b"].call(spec, inputs)
@@ -676,18 +677,18 @@ def test_use_backend_is_scoped_to_the_thread_that_entered_it():
                              ("triton", "fallback", None, "triton")]
         assert seen["b"] == [("fa4", "fallback", None, "fa4")] * 2
         assert seen["c"] == [("triton", "fallback", None, "triton")] * 2
-        counts = guard.counters()
+        counts = counters.counters()
         assert (counts["fused"], counts["fused_by_backend"], counts["fallback"]) == (1, {"reference": 1},
                                                                                      {"no_backend": 2})
         # the bytes each thread got are those of its own choice
-        with backends.use_backend("reference"):
+        with settings.use_backend("reference"):
             fused = layers["a"].fresh([], spec, inputs)
         fallback = layers["b"].fresh([], spec, inputs)
         assert torch.equal(results["a"][0], fused[0]) and torch.equal(results["a"][1], fused[1])
         for who in ("b", "c"):
             assert torch.equal(results[who][0], fallback[0]) and torch.equal(results[who][1], fallback[1])
         assert not torch.equal(fused[0], fallback[0])
-        assert backends.configured_backend() == "triton"  # the main thread never saw a block
+        assert settings.configured_backend() == "triton"  # the main thread never saw a block
     finally:
         for layer in layers.values():
             runtime.unregister_layer(layer.name)
@@ -695,29 +696,29 @@ def test_use_backend_is_scoped_to_the_thread_that_entered_it():
 
 def test_a_thread_started_inside_a_block_does_not_inherit_it():
     got = []
-    with backends.use_backend("reference"):
-        _run_threads([lambda: got.append(backends.configured_backend())])
-        assert backends.configured_backend() == "reference"
+    with settings.use_backend("reference"):
+        _run_threads([lambda: got.append(settings.configured_backend())])
+        assert settings.configured_backend() == "reference"
     assert got == ["auto"]
 
 
 def test_precedence_use_backend_over_set_backend_over_environment(monkeypatch):
-    monkeypatch.setenv(backends.BACKEND_ENV, "fa4")
-    assert backends.configured_backend() == "fa4"
-    backends.set_backend("triton")
-    assert backends.configured_backend() == "triton"
-    with backends.use_backend("reference"):
-        assert backends.configured_backend() == "reference"
-        backends.set_backend("auto")  # changes the default, not this block's choice
-        assert backends.configured_backend() == "reference"
-        with backends.use_backend(None):  # the environment decides inside
-            assert backends.configured_backend() == "fa4"
-        assert backends.configured_backend() == "reference"
-    assert backends.configured_backend() == "auto"
+    monkeypatch.setenv(settings.BACKEND_ENV, "fa4")
+    assert settings.configured_backend() == "fa4"
+    settings.set_backend("triton")
+    assert settings.configured_backend() == "triton"
+    with settings.use_backend("reference"):
+        assert settings.configured_backend() == "reference"
+        settings.set_backend("auto")  # changes the default, not this block's choice
+        assert settings.configured_backend() == "reference"
+        with settings.use_backend(None):  # the environment decides inside
+            assert settings.configured_backend() == "fa4"
+        assert settings.configured_backend() == "reference"
+    assert settings.configured_backend() == "auto"
     with pytest.raises(ValueError, match=r"use_backend\(name\)='cudnn' .* auto, fa4, triton, reference"):
-        with backends.use_backend("cudnn"):
+        with settings.use_backend("cudnn"):
             pass
-    assert backends.configured_backend() == "auto"
+    assert settings.configured_backend() == "auto"
 
 
 # ---------------------------------------------------------------- tap_gemm_inputs is per thread

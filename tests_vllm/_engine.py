@@ -63,7 +63,7 @@ def batch_of_current_call() -> dict:
     """The batch of the attention call being recorded, from vLLM's forward context."""
     from vllm.forward_context import get_forward_context
 
-    from fusion_pass.vllm import attention
+    from fusion_pass.vllm import guard
 
     md = get_forward_context().attn_metadata
     if isinstance(md, dict):
@@ -71,9 +71,9 @@ def batch_of_current_call() -> dict:
     if md is None:
         return {"decode": 0}
     if hasattr(md, "num_decode_tokens") and hasattr(md, "prefill"):
-        decode, query_lens, context_lens = attention._mla_batch(md)
+        decode, query_lens, context_lens = guard.mla_batch(md)
         return {"decode": decode, "query_lens": query_lens, "context_lens": context_lens}
-    return {"decode": attention._batch_kind(md)[0]}
+    return {"decode": guard.batch_kind(md)[0]}
 
 
 def shadow_unfused(shadows: list) -> None:
@@ -82,21 +82,21 @@ def shadow_unfused(shadows: list) -> None:
     unfused scales)`` per fused call (every layer; across two runs only the first layer's inputs are equal)."""
     import torch
 
-    from fusion_pass.vllm import attention
+    from fusion_pass.vllm import attention_op, guard
 
-    run_fused = attention._run_fused
+    run_fused = attention_op.run_fused  # looked up there by attention_op._run
 
     def run_fused_and_unfused(backend_name, md, layer, kv_cache, inputs, output, output_scale, output_block_scale):
         run_fused(backend_name, md, layer, kv_cache, inputs, output, output_scale, output_block_scale)
         packed, scales = output.clone(), output_block_scale.clone()
-        if attention._is_mla(layer):
+        if guard.is_mla(layer):
             op, heads = torch.ops.vllm.unified_mla_attention_with_output, None
         else:
             op, heads = torch.ops.vllm.unified_attention_with_output, inputs[0].shape[1]
-        attention._run_unfused(op, inputs, packed, layer.layer_name, output_scale, scales, {}, heads)
+        attention_op._run_unfused(op, inputs, packed, layer.layer_name, output_scale, scales, {}, heads)
         shadows.append((output.clone(), output_block_scale.clone(), packed, scales))
 
-    attention._run_fused = run_fused_and_unfused
+    attention_op.run_fused = run_fused_and_unfused
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -106,7 +106,8 @@ def main(spec_path: str, out_path: str) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from fusion_pass import guard, ops
+    from fusion_pass import ops
+    from fusion_pass.runtime import counters
 
     cc = {"inductor_passes": {"post_grad_custom_post_pass": spec.get("pass_name", PASS_NAME)}} if spec["pass"] else {}
     start = time.time()
@@ -115,10 +116,10 @@ def main(spec_path: str, out_path: str) -> None:
               compilation_config=cc, **spec.get("llm", {}))
     engine_s = time.time() - start
     norms = sum(llm.apply_model(unit_norm_weights)) if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else 0
-    guard.reset_counters()
+    counters.reset_counters()
     decisions: list = []  # one per call of our vLLM attention op, in call order (pass runs only)
     calls: list = []
-    record = guard.record
+    record = counters.record
 
     def record_and_keep(decision):
         decisions.append(decision.reason or "fused")
@@ -127,7 +128,7 @@ def main(spec_path: str, out_path: str) -> None:
                       **batch_of_current_call()})
         record(decision)
 
-    guard.record = record_and_keep  # fusion_pass.vllm.attention calls guard.record
+    counters.record = record_and_keep  # fusion_pass.vllm.attention_op calls counters.record
     shadows: list = []
     if spec["pass"]:
         shadow_unfused(shadows)
@@ -146,7 +147,7 @@ def main(spec_path: str, out_path: str) -> None:
         steps.append({"kind": step["kind"], "taps": [(a, s) for a, s in tap],
                       "tokens": [list(o.outputs[0].token_ids) for o in outs],
                       "decisions": list(decisions), "calls": list(calls), "shadows": list(shadows)})
-    result = {"steps": steps, "counters": guard.counters(), "engine_s": engine_s, "pid": os.getpid(),
+    result = {"steps": steps, "counters": counters.counters(), "engine_s": engine_s, "pid": os.getpid(),
               "unit_norm_weights": norms}
     cfg = llm.llm_engine.vllm_config.compilation_config
     the_pass = cfg.inductor_compile_config.get("post_grad_custom_post_pass")

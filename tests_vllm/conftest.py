@@ -48,8 +48,10 @@ def engine_env(multiprocessing: bool, **extra) -> dict:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
         "VLLM_DISABLE_COMPILE_CACHE": "1",        # the pass must run on every start (docs/vllm.md):
         "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",      # a cache hit (same graph, same uuid) skips the pass
-        "FUSION_PASS_VLLM_TEST_QUANT": "1",       # the plugin registers the test-only NVFP4 method
+        "FUSION_PASS_VLLM_IMPORT": "nvfp4_test_quant",  # the plugin imports the test-only NVFP4 method
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        # _engine.py runs from tests_vllm/, so the module is importable there; worker processes inherit this
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH", "")))),
     })
     env.update(extra)
     return env

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import fusion_pass.ops  # noqa: F401  (torch.ops.fusion_pass.scaled_fp4_quant, the unfused graph's quant op on CPU)
-from fusion_pass import backends, nvfp4, prefill
-from fusion_pass.vllm import attention
+from fusion_pass import nvfp4
+from fusion_pass.runtime import backends, settings
+from fusion_pass.vllm import attention_op, fused_rows, guard
 
 H, NOPE, ROPE, DV, LORA, BLOCK = 4, 32, 16, 32, 64, 16
 K = H * DV
@@ -124,9 +125,9 @@ def test_mla_rows_decode_exact_prefill_fused_with_context(decode, query_lens, co
     inputs, md, kv_cache = batch(decode, query_lens, context_lens)
     n = md.num_actual_tokens
     packed, scales = buffers(n + 5)  # 5 padding rows past num_actual_tokens
-    with prefill.use_context_workspace_tokens(workspace):
-        attention._run_fused_mla(backends.get_backend("reference"), md, layer, kv_cache, inputs, packed, GS,
-                                 scales)
+    with settings.use_context_workspace_tokens(workspace):
+        fused_rows._run_fused_mla(backends.get_backend("reference"), md, layer, kv_cache, inputs, packed, GS,
+                                  scales)
     assert layer.forward_impl_rows == ([decode] if decode else [])
     decode_out = layer.decode_output(inputs[0][:decode])
     full = torch.cat([decode_out.float(), expected_prefill(layer, inputs, md, kv_cache)])
@@ -165,7 +166,7 @@ def test_decode_rows_go_in_after_the_backend_and_touch_no_prefill_row_of_their_t
     inputs, md, kv_cache = batch(5, [6, 7], [0, 20])
     n = md.num_actual_tokens
     packed, scales = buffers(n)
-    attention._run_fused_mla(backend, md, layer, kv_cache, inputs, packed, GS, scales)
+    fused_rows._run_fused_mla(backend, md, layer, kv_cache, inputs, packed, GS, scales)
     want_packed, want_scales = nvfp4.quantize(layer.decode_output(inputs[0][:5]), GS)
     assert torch.equal(packed[:5], want_packed)
     assert torch.equal(row_scale_bytes(scales, range(5)), row_scale_bytes(want_scales, range(5)))
@@ -177,7 +178,7 @@ def test_decode_rows_go_in_after_the_backend_and_touch_no_prefill_row_of_their_t
 def test_guard_fuses_mla_prefill_rows_beside_decode_rows_and_context():
     layer = VllmStructure()
     inputs, md, kv_cache = batch(3, [5, 9], [0, 40])
-    decision = attention.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
+    decision = guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
     assert (decision.path, decision.reason, decision.backend) == ("fused", None, "reference")
     assert (decision.prefill_tokens, decision.fused_tokens, decision.post_quantized) == (14, 14, {"decode_tokens": 3})
     assert "3 decode row(s)" in decision.detail and "40 cached context token(s)" in decision.detail
@@ -186,25 +187,25 @@ def test_guard_fuses_mla_prefill_rows_beside_decode_rows_and_context():
 def test_guard_falls_back_where_rows_cannot_be_computed_apart():
     inputs, md, kv_cache = batch(3, [5, 9], [0, 40])
     # a forward_impl without vLLM's decode/prefill split: decode rows cannot be computed alone
-    decision = attention.decide("stand_in.attn", inputs[0], md, StandInMLA(), kv_cache)
+    decision = guard.decide("stand_in.attn", inputs[0], md, StandInMLA(), kv_cache)
     assert (decision.path, decision.reason) == ("fallback", "decode_tokens")
     assert "does not split decode and prefill rows" in decision.detail
     assert decision.post_quantized == {"decode_tokens": 17} and decision.prefill_tokens == 14
     # a cache that is not the unquantized latent cache [num_blocks, block_size, L + R]
-    decision = attention.decide("stand_in.attn", inputs[0], md, VllmStructure(), kv_cache.view(-1, LORA + ROPE))
+    decision = guard.decide("stand_in.attn", inputs[0], md, VllmStructure(), kv_cache.view(-1, LORA + ROPE))
     assert (decision.path, decision.reason) == ("fallback", "chunked_prefill")
     assert "is not the MLA latent cache" in decision.detail
-    decision = attention.decide("stand_in.attn", inputs[0], md, VllmStructure(), kv_cache.to(torch.float8_e4m3fn))
+    decision = guard.decide("stand_in.attn", inputs[0], md, VllmStructure(), kv_cache.to(torch.float8_e4m3fn))
     assert (decision.path, decision.reason) == ("fallback", "chunked_prefill")
     # decode-only batches, quantized-cache layers and no metadata, as before
     _, decode_only, _ = batch(4, [], [])
-    decision = attention.decide("stand_in.attn", inputs[0], decode_only, VllmStructure(), kv_cache)
+    decision = guard.decide("stand_in.attn", inputs[0], decode_only, VllmStructure(), kv_cache)
     assert (decision.reason, decision.prefill_tokens) == ("decode_tokens", 0)
     assert decision.post_quantized == {"decode_tokens": 4}
     quantized = VllmStructure()
     quantized.kv_cache_dtype = "fp8"
-    assert attention.decide("stand_in.attn", inputs[0], md, quantized, kv_cache).reason == "layer_not_supported"
-    assert attention.decide("stand_in.attn", inputs[0], None, VllmStructure(), kv_cache).reason == \
+    assert guard.decide("stand_in.attn", inputs[0], md, quantized, kv_cache).reason == "layer_not_supported"
+    assert guard.decide("stand_in.attn", inputs[0], None, VllmStructure(), kv_cache).reason == \
         "no_attention_metadata"
 
 
@@ -216,18 +217,33 @@ def test_guard_reads_the_layer_as_vllm_configures_it():
     for dtype in ("bfloat16", "float16", "auto"):
         layer = VllmStructure()
         layer.kv_cache_dtype = dtype
-        assert attention.decide("stand_in.attn", inputs[0], md, layer, kv_cache).path == "fused", dtype
+        assert guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache).path == "fused", dtype
     for dtype in ("fp8", "fp8_e4m3", "fp8_ds_mla"):
         layer = VllmStructure()
         layer.kv_cache_dtype = dtype
-        assert attention.decide("stand_in.attn", inputs[0], md, layer, kv_cache).reason == "layer_not_supported"
+        assert guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache).reason == "layer_not_supported"
     windowed = VllmStructure()
     windowed.sliding_window = 4
-    decision = attention.decide("stand_in.attn", inputs[0], md, windowed, kv_cache)
+    decision = guard.decide("stand_in.attn", inputs[0], md, windowed, kv_cache)
     assert (decision.reason, decision.detail) == ("layer_not_supported", "stand_in.attn: sliding window 4")
     no_prefill = SimpleNamespace(num_actual_tokens=8, num_decode_tokens=8)
-    decision = attention.decide("stand_in.attn", inputs[0], no_prefill, VllmStructure(), kv_cache)
+    decision = guard.decide("stand_in.attn", inputs[0], no_prefill, VllmStructure(), kv_cache)
     assert (decision.path, decision.reason) == ("fallback", "decode_tokens")
+
+
+def test_guard_refuses_mla_layers_whose_kv_b_proj_weight_vllm_released():
+    """vLLM's AMX MLA backend (x86 CPUs with AMX) packs kv_b_proj's weight for its own kernels and releases the
+    layer's: the fused path, which expands keys and values through kv_b_proj, must refuse the layer, not crash."""
+    inputs, md, kv_cache = batch(3, [5, 9], [0, 40])
+    amx = VllmStructure()
+    amx.is_amx_bmm_enabled = True
+    released = VllmStructure()
+    released.kv_b_proj = SimpleNamespace(weight=torch.nn.Parameter(torch.empty(0), requires_grad=False))
+    for layer in (amx, released):
+        decision = guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
+        assert (decision.path, decision.reason) == ("fallback", "layer_not_supported")
+        assert decision.detail == "stand_in.attn: kv_b_proj's weight released by vLLM's MLA backend (AMX MLA)"
+        assert decision.post_quantized == {"layer_not_supported": 17}
 
 
 def test_guard_keeps_standard_layers_on_the_exact_fallback_for_decode_rows_and_context():
@@ -241,11 +257,11 @@ def test_guard_keeps_standard_layers_on_the_exact_fallback_for_decode_rows_and_c
         return SimpleNamespace(query_start_loc=loc, seq_lens=torch.tensor(seq_lens), num_actual_tokens=int(loc[-1]),
                                max_query_len=max(query_lens), causal=True)
 
-    mixed = attention.decide("l", q, standard([1, 6], [9, 6]), layer)
+    mixed = guard.decide("l", q, standard([1, 6], [9, 6]), layer)
     assert (mixed.reason, mixed.post_quantized, mixed.prefill_tokens) == ("decode_tokens", {"decode_tokens": 7}, 6)
-    chunked = attention.decide("l", q, standard([6], [20]), layer)
+    chunked = guard.decide("l", q, standard([6], [20]), layer)
     assert (chunked.reason, chunked.post_quantized) == ("chunked_prefill", {"chunked_prefill": 6})
-    fused = attention.decide("l", q, standard([6, 3], [6, 3]), layer)
+    fused = guard.decide("l", q, standard([6, 3], [6, 3]), layer)
     assert (fused.path, fused.fused_tokens, fused.post_quantized) == ("fused", 9, {})
 
 
@@ -275,12 +291,12 @@ def test_fused_calls_run_inside_vllms_kv_connector_hooks(monkeypatch):
     monkeypatch.setattr(kv_transfer_utils, "is_v1_kv_transfer_group", lambda: True)
     monkeypatch.setattr(kv_transfer_utils, "get_kv_transfer_group", lambda: Connector())
     monkeypatch.setattr(vllm_attention, "get_attention_context", lambda name: (md, layer, kv_cache, None))
-    attention._with_kv_transfer.cache_clear()  # decorated again with the patched context lookup
+    attention_op._with_kv_transfer.cache_clear()  # decorated again with the patched context lookup
     try:
         packed, scales = buffers(md.num_actual_tokens)
-        attention._run(None, inputs, packed, "stand_in.attn", GS, scales, {}, None)
+        attention_op._run(None, inputs, packed, "stand_in.attn", GS, scales, {}, None)
     finally:
-        attention._with_kv_transfer.cache_clear()
+        attention_op._with_kv_transfer.cache_clear()
     # kv_b_proj runs for the new tokens and for the cached context: every such call between the two hooks
     assert events[0] == "wait stand_in.attn" and events[-1] == "save stand_in.attn", events
     assert len(events) > 2 and set(events[1:-1]) == {"fused path reads the cache"}, events

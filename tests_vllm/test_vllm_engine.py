@@ -1,8 +1,8 @@
 """A real vllm.LLM (vLLM's CPU build) on tiny DeepSeek-V3-style and Llama configs, with the documented
 one-liner vs without it: the report, the o_proj's NVFP4 input, the guard's decisions, multiprocessing.
 
-Batch kinds on vLLM's CPU build: the MLA model ("dsv3") runs vLLM's reference CPU_MLA backend, for which
-vLLM's CPU platform turns chunked prefill and prefix caching off (``CpuPlatform.check_and_update_config``):
+Batch kinds on vLLM's CPU build: the MLA model ("dsv3") runs vLLM's reference CPU_MLA backend (pinned: ``CPU_MLA``),
+for which vLLM's CPU platform turns chunked prefill and prefix caching off (``CpuPlatform.check_and_update_config``):
 with vLLM's settings it produces pure prefill, decode-only and mixed (decode + prefill) batches, but never a
 prefill with cached context. "dsv3_chunked" keeps chunked prefill and prefix caching on after that check
 (``keep_chunked_prefill``, tests_vllm/_engine.py): vLLM's own MLA code then computes chunked prefills and
@@ -17,22 +17,27 @@ import torch
 
 from conftest import DSV3, LLAMA, run_engine
 from fusion_pass import nvfp4
-from fusion_pass.vllm.testing import ACT_GLOBAL_SCALE
+from nvfp4_test_quant import ACT_GLOBAL_SCALE
 
 SHARED = list(range(100, 148))  # three 16-token KV blocks: a prefix-cache hit of 48 tokens
 CHUNKED = {"max_num_batched_tokens": 32, "enable_chunked_prefill": True}
+# vLLM's reference CPU_MLA backend for the MLA model, also on x86 CPUs with AMX, where vLLM would pick its AMX_MLA
+# backend: that one keeps chunked prefill and prefix caching on and releases kv_b_proj's weight after packing it
+# for its own kernels (MLAAttention.process_weights_after_loading), so the guard refuses its layers
+# (layer_not_supported) and no MLA call would be fused.
+CPU_MLA = {"attention_config": {"backend": "CPU_MLA"}}
 
 CONFIGS = {
     # vLLM's CPU MLA settings (no chunked prefill, no prefix caching): pure prefill; then 5 requests for 4
     # sequence slots, the 5th prefilled beside the others' decodes once the first finishes (mixed batches).
-    "dsv3": {"model": "dsv3", "llm": {}, "workload": [
+    "dsv3": {"model": "dsv3", "llm": {**CPU_MLA}, "workload": [
         {"kind": "prefill", "prompts": [list(range(3, 10)), list(range(10, 40))], "max_tokens": 1},
         {"kind": "mixed", "prompts": [list(range(50, 56)), list(range(60, 70)), list(range(70, 75)),
                                       list(range(80, 88)), list(range(90, 102))], "max_tokens": [2, 5, 5, 5, 3]}]},
     # chunked prefill and prefix caching kept on: a 32-token budget splits the 70-token prompt beside decodes
     # (chunks with cached context in mixed batches); then a prompt sharing a cached 48-token prefix.
     "dsv3_chunked": {"model": "dsv3", "keep_chunked_prefill": True,
-                     "llm": {**CHUNKED, "enable_prefix_caching": True}, "workload": [
+                     "llm": {**CPU_MLA, **CHUNKED, "enable_prefix_caching": True}, "workload": [
         {"kind": "chunked", "prompts": [list(range(3, 10)), list(range(10, 80)), list(range(200, 205)),
                                         SHARED + [5, 6, 7]], "max_tokens": [6, 2, 8, 3]},
         {"kind": "prefix_hit", "prompts": [SHARED + [9, 9, 9, 9]], "max_tokens": 2}]},
@@ -182,8 +187,8 @@ def test_guard_counts_every_call_and_names_each_path_once_in_vllms_log(runs):
 def test_multiprocessing_on_one_liner_pickles_and_reports_per_process(models, tmp_path):
     dump = tmp_path / "dump"
     workload = [{"kind": "prefill", "prompts": [list(range(3, 20))], "max_tokens": 3}]
-    result = run_engine(tmp_path / "run", {"model": models["dsv3"], "pass": True, "workload": workload},
-                        multiprocessing=True, FUSION_PASS_DUMP=str(dump))
+    result = run_engine(tmp_path / "run", {"model": models["dsv3"], "pass": True, "workload": workload,
+                                           "llm": CPU_MLA}, multiprocessing=True, FUSION_PASS_DUMP=str(dump))
     reports = [json.loads(p.read_text()) for p in sorted(dump.glob("vllm_report_*.json"))]
     assert reports, "no process wrote a report"
     compiled = [r for r in reports if r["graphs"]]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fusion_pass_vllm
-from fusion_pass.vllm import FusionPassForVllm, pass_
+from fusion_pass.vllm import FusionPassForVllm, inductor_pass as pass_
 
 
 def test_one_liner_object_pickles_deep_copies_and_keeps_its_uuid():
@@ -37,7 +37,7 @@ def test_one_liner_object_pickles_deep_copies_and_keeps_its_uuid():
 
 
 def test_vllm_vocabulary_names_vllm_ops_and_our_run_time_ops():
-    from fusion_pass.patterns import vllm_vocabulary
+    from fusion_pass.vllm.vocabulary import vllm_vocabulary
 
     fusion_pass_vllm.PASS.fusion()  # registers our run-time ops
     vocab = vllm_vocabulary()
@@ -162,7 +162,7 @@ def _trace(fn, args, form):
 
 
 def _attention_nodes(gm):
-    from fusion_pass import matcher
+    from fusion_pass.compile import matcher
 
     return [(n, matcher.wrapped_op(n)[0]) for n in gm.graph.nodes if matcher.wrapped_op(n)[0] is not None]
 

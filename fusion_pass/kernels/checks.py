@@ -1,12 +1,19 @@
-"""Argument checks shared by the kernels' entry points (no device work, no sync), and the
-padding fill both NVFP4 attention launchers do before their kernel runs."""
+"""Argument checks of the kernels' entry points, and the padding fill both NVFP4 attention launchers do
+before their kernel runs.
+
+Shape, dtype and device checks do no device work; :func:`check_varlen` and :func:`check_varlen_k` read
+``cu_seqlens`` / ``cu_seqlens_k`` back (one small copy each): only the validated entry points call them.
+Errors are :class:`fusion_pass.nvfp4.ArgumentError` (a ValueError and a TypeError) naming the argument."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
 from fusion_pass import nvfp4
+from fusion_pass.nvfp4.checks import ArgumentError, check_row_range, check_tensor
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -22,49 +29,49 @@ def check_qkv(fn: str, q, k, v, *, separate_kv: bool = False) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 3:
             layout = {"q": "[T, H, Dqk]", "k": "[Tk, Hkv, Dqk]", "v": "[Tk, Hkv, Dv]"}[name]
-            raise ValueError(f"{fn}: {name} must be a 3-D tensor {layout}, got {describe(t)}")
+            raise ArgumentError(f"{fn}: {name} must be a 3-D tensor {layout}, got {describe(t)}")
         if t.dtype not in HALF_DTYPES:
-            raise TypeError(f"{fn}: {name} must be float16 or bfloat16, got {t.dtype}")
+            raise ArgumentError(f"{fn}: {name} must be float16 or bfloat16, got {t.dtype}")
         if t.stride(-1) != 1:
-            raise ValueError(f"{fn}: {name} must have unit stride along its last (head) dim, got strides {t.stride()}")
+            raise ArgumentError(f"{fn}: {name} must have unit stride along its last (head) dim, got strides {t.stride()}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ArgumentError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"{fn}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ArgumentError(f"{fn}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     t, h, dqk = q.shape
     if separate_kv:
         if v.shape[0] != k.shape[0]:
-            raise ValueError(
+            raise ArgumentError(
                 f"{fn}: k and v must have the same number of tokens Tk, got k {list(k.shape)}, v {list(v.shape)}"
             )
     elif k.shape[0] != t or v.shape[0] != t:
-        raise ValueError(
+        raise ArgumentError(
             f"{fn}: q, k, v must have the same number of tokens T (or pass cu_seqlens_k), got q {list(q.shape)}, "
             f"k {list(k.shape)}, v {list(v.shape)}"
         )
     if k.shape[2] != dqk:
-        raise ValueError(f"{fn}: k must be [T, Hkv, Dqk] with q's Dqk={dqk}, got {list(k.shape)}")
+        raise ArgumentError(f"{fn}: k must be [T, Hkv, Dqk] with q's Dqk={dqk}, got {list(k.shape)}")
     hkv = k.shape[1]
     if v.shape[1] != hkv:
-        raise ValueError(f"{fn}: v must be [T, Hkv, Dv] with k's Hkv={hkv}, got {list(v.shape)}")
+        raise ArgumentError(f"{fn}: v must be [T, Hkv, Dv] with k's Hkv={hkv}, got {list(v.shape)}")
     if hkv == 0 or h % hkv != 0:
-        raise ValueError(f"{fn}: q's heads H={h} must be a multiple of k/v's heads Hkv={hkv}")
+        raise ArgumentError(f"{fn}: q's heads H={h} must be a multiple of k/v's heads Hkv={hkv}")
 
 
 def check_cu_seqlens_k(fn: str, cu_seqlens_k, cu_seqlens: Tensor, device: torch.device) -> None:
     """``cu_seqlens_k`` is a contiguous 1-D int32 tensor on ``device`` with as many entries as
     ``cu_seqlens`` (checked first). Shapes only: its values are not read."""
     if not isinstance(cu_seqlens_k, Tensor) or cu_seqlens_k.dtype != torch.int32 or cu_seqlens_k.dim() != 1:
-        raise ValueError(f"{fn}: cu_seqlens_k must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens_k)}")
+        raise ArgumentError(f"{fn}: cu_seqlens_k must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens_k)}")
     if cu_seqlens_k.numel() != cu_seqlens.numel():
-        raise ValueError(
+        raise ArgumentError(
             f"{fn}: cu_seqlens_k must have B + 1 = {cu_seqlens.numel()} entries like cu_seqlens, "
             f"got {cu_seqlens_k.numel()}"
         )
     if cu_seqlens_k.device != device:
-        raise ValueError(f"{fn}: cu_seqlens_k must be on q's device {device}, got {cu_seqlens_k.device}")
+        raise ArgumentError(f"{fn}: cu_seqlens_k must be on q's device {device}, got {cu_seqlens_k.device}")
     if not cu_seqlens_k.is_contiguous():
-        raise ValueError(f"{fn}: cu_seqlens_k must be contiguous, got strides {cu_seqlens_k.stride()}")
+        raise ArgumentError(f"{fn}: cu_seqlens_k must be contiguous, got strides {cu_seqlens_k.stride()}")
 
 
 def check_max_seqlen_k(fn: str, max_seqlen_k, cu_seqlens_k) -> None:
@@ -72,9 +79,9 @@ def check_max_seqlen_k(fn: str, max_seqlen_k, cu_seqlens_k) -> None:
     if max_seqlen_k is None:
         return
     if cu_seqlens_k is None:
-        raise ValueError(f"{fn}: max_seqlen_k={max_seqlen_k!r} is given without cu_seqlens_k")
+        raise ArgumentError(f"{fn}: max_seqlen_k={max_seqlen_k!r} is given without cu_seqlens_k")
     if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
-        raise ValueError(f"{fn}: max_seqlen_k must be None or a non-negative int, got {max_seqlen_k!r}")
+        raise ArgumentError(f"{fn}: max_seqlen_k must be None or a non-negative int, got {max_seqlen_k!r}")
 
 
 def zero_nvfp4_scale_padding(scale_bytes: Tensor, t: int, width: int) -> None:
@@ -94,3 +101,113 @@ def zero_nvfp4_scale_padding(scale_bytes: Tensor, t: int, width: int) -> None:
     if blocks % 4:
         # tiles as [row tile, column tile, row % 32, (row % 128) // 32, column % 4]
         scale_bytes.view(-1, col_tiles, 32, 4, 4)[:, -1, :, :, blocks % 4 :].zero_()
+
+
+def check_varlen(fn: str, q: Tensor, cu_seqlens, max_seqlen) -> list[int]:
+    """Checks ``cu_seqlens``'s values too: one small device-to-host copy. Returns the sequence lengths."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ArgumentError(f"{fn}: cu_seqlens must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens)}")
+    if cu_seqlens.numel() < 2:
+        raise ArgumentError(f"{fn}: cu_seqlens must have B + 1 >= 2 entries, got {cu_seqlens.numel()}")
+    if cu_seqlens.device != q.device:
+        raise ArgumentError(f"{fn}: cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ArgumentError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    starts = cu_seqlens.tolist()
+    t = q.shape[0]
+    lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    if starts[0] != 0 or starts[-1] != t or min(lengths) < 0:
+        raise ArgumentError(
+            f"{fn}: cu_seqlens must rise from 0 to T={t} without decreasing, got {starts[:8]}"
+            + (" ..." if len(starts) > 8 else "")
+        )
+    if max(lengths) > max_seqlen:
+        raise ArgumentError(f"{fn}: max_seqlen={max_seqlen} is smaller than the longest sequence ({max(lengths)})")
+    return lengths
+
+
+def check_varlen_k(fn: str, q: Tensor, k: Tensor, cu_seqlens, cu_seqlens_k, max_seqlen_k, causal,
+                    lengths_q: list[int]) -> int | None:
+    """``cu_seqlens_k``'s shape and values (one more small copy): rises from 0 to ``Tk``, covered by
+    ``max_seqlen_k``, and with ``causal`` no sequence has fewer keys than queries. Returns
+    ``max_seqlen_k`` (the longest key sequence when ``None`` was given)."""
+    check_max_seqlen_k(fn, max_seqlen_k, cu_seqlens_k)
+    if cu_seqlens_k is None:
+        return None
+    check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
+    starts = cu_seqlens_k.tolist()
+    tk = k.shape[0]
+    lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    if starts[0] != 0 or starts[-1] != tk or min(lengths) < 0:
+        raise ArgumentError(
+            f"{fn}: cu_seqlens_k must rise from 0 to Tk={tk} (k's tokens) without decreasing, got {starts[:8]}"
+            + (" ..." if len(starts) > 8 else "")
+        )
+    if max_seqlen_k is not None and max(lengths) > max_seqlen_k:
+        raise ArgumentError(f"{fn}: max_seqlen_k={max_seqlen_k} is smaller than the longest key sequence ({max(lengths)})")
+    if causal:
+        for b, (lq, lk) in enumerate(zip(lengths_q, lengths)):
+            if lk < lq:
+                raise ArgumentError(
+                    f"{fn}: cu_seqlens_k gives sequence {b} {lk} keys for its {lq} queries; causal attention "
+                    f"aligns the queries to the end of the keys and needs Lk >= Lq"
+                )
+    return max(lengths) if max_seqlen_k is None else max_seqlen_k
+
+
+def check_softmax_scale(fn: str, softmax_scale) -> None:
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
+        raise ArgumentError(f"{fn}: softmax_scale must be None or a positive finite float, got {softmax_scale!r}")
+
+
+def check_causal(fn: str, causal) -> None:
+    if not isinstance(causal, bool):
+        raise ArgumentError(f"{fn}: causal must be a bool, got {causal!r}")
+
+
+MERGE_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_outs(fn: str, out_a, out_b) -> None:
+    for name, out in (("out_a", out_a), ("out_b", out_b)):
+        check_tensor(fn, name, out)
+        if out.dim() != 3:
+            raise ArgumentError(f"{fn}: {name} must be a 3-D tensor [M, H, Dv], got {describe(out)}")
+        if out.dtype not in MERGE_OUT_DTYPES:
+            raise ArgumentError(f"{fn}: {name} must be float32, bfloat16 or float16, got {out.dtype}")
+        if out.shape[2] > 1 and out.stride(2) != 1:
+            raise ArgumentError(f"{fn}: {name} must have unit stride along Dv, got strides {list(out.stride())}")
+    if out_b.shape != out_a.shape:
+        raise ArgumentError(
+            f"{fn}: out_b must have out_a's shape [M, H, Dv] = {list(out_a.shape)}, got {list(out_b.shape)}"
+        )
+    if out_b.device != out_a.device:
+        raise ArgumentError(f"{fn}: out_b must be on out_a's device {out_a.device}, got {out_b.device}")
+    m, h, dv = out_a.shape
+    if (h * dv) % nvfp4.BLOCK_SIZE != 0:
+        raise ArgumentError(f"{fn}: H * Dv must be divisible by 16, got out_a [M, H, Dv] = {list(out_a.shape)}")
+
+
+def check_lses(fn: str, lse_a, lse_b, out_a: Tensor) -> None:
+    m, h, _ = out_a.shape
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        check_tensor(fn, name, lse)
+        if lse.dtype != torch.float32:
+            raise ArgumentError(f"{fn}: {name} must be float32, got {lse.dtype}")
+        if tuple(lse.shape) != (m, h):
+            raise ArgumentError(
+                f"{fn}: {name} must be [M, H] = [{m}, {h}] (any strides: a transposed [H, M] "
+                f"view is fine), got {list(lse.shape)}"
+            )
+        if lse.device != out_a.device:
+            raise ArgumentError(f"{fn}: {name} must be on out_a's device {out_a.device}, got {lse.device}")
+
+
+def check_destination(fn: str, packed, scales, row_start, out_a: Tensor) -> None:
+    m, h, dv = out_a.shape
+    check_row_range(fn, packed, scales, row_start, m, h * dv, out_a.device, source="out_a", width="H*Dv")

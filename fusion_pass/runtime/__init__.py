@@ -1,17 +1,17 @@
-"""Reference attention runtime behind the ``torch.ops.fusion_pass`` attention ops.
+"""The run time: per attention call, which rows are fused, by which backend, with which context.
 
-The ops look up the layer's impl by ``layer_name`` (:func:`get_layer`), read
-the batch from the forward context (:func:`current_batch`) and call
-``impl.forward(...)``.  Attention is computed in float32 in plain PyTorch, on
-whatever device the inputs live on.
+* :mod:`.batch`: :class:`BatchSpec` / :class:`RequestSpec` and the forward context (:func:`batch`);
+* :mod:`.registry`: ``layer_name`` -> the layer's runtime (:func:`register_layer`, names global to the process);
+* :mod:`.mla`, :mod:`.standard`: the MLA and MHA/GQA runtimes with their KV caches (:mod:`.cache`);
+* :mod:`.attention_call`: one call: :mod:`.guard` decision -> :mod:`.row_plan` -> :mod:`.backends` -> kernels;
+* :mod:`.counters`: what the guard decided, counted (``counters.counters()``); :mod:`.settings`: backend choice and context workspace bound.
 """
 
-from fusion_pass.runtime.context import (
-    BatchSpec,
-    RequestSpec,
-    batch,
+from fusion_pass.kernels.reference import dense_attention, merge_attention
+from fusion_pass.runtime.batch import BatchSpec, RequestSpec, batch, current_batch
+from fusion_pass.runtime.mla import MLAAttentionImpl
+from fusion_pass.runtime.registry import (
     clear_kv_caches,
-    current_batch,
     get_layer,
     register_layer,
     registered_layers,
@@ -19,24 +19,34 @@ from fusion_pass.runtime.context import (
     snapshot_kv_caches,
     unregister_layer,
 )
-from fusion_pass.dense import attention_with_lse, merge_attention
-from fusion_pass.runtime.mla import MLAAttentionImpl
+from fusion_pass.runtime.settings import (
+    context_workspace_tokens,
+    set_backend,
+    set_context_workspace_tokens,
+    use_backend,
+    use_context_workspace_tokens,
+)
 from fusion_pass.runtime.standard import AttentionImpl
 
 __all__ = [
-    "RequestSpec",
-    "BatchSpec",
-    "batch",
-    "current_batch",
-    "register_layer",
-    "get_layer",
-    "unregister_layer",
-    "registered_layers",
-    "clear_kv_caches",
-    "snapshot_kv_caches",
-    "restore_kv_caches",
-    "MLAAttentionImpl",
     "AttentionImpl",
-    "attention_with_lse",
+    "BatchSpec",
+    "MLAAttentionImpl",
+    "RequestSpec",
+    "batch",
+    "clear_kv_caches",
+    "context_workspace_tokens",
+    "current_batch",
+    "dense_attention",
+    "get_layer",
     "merge_attention",
+    "register_layer",
+    "registered_layers",
+    "restore_kv_caches",
+    "set_backend",
+    "set_context_workspace_tokens",
+    "snapshot_kv_caches",
+    "unregister_layer",
+    "use_backend",
+    "use_context_workspace_tokens",
 ]

@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from fusion_pass.runtime.context import BatchSpec, _RequestCache, positive_softmax_scale
-from fusion_pass.dense import attention_with_lse, merge_attention
+from fusion_pass.runtime.batch import BatchSpec
+from fusion_pass.runtime.cache import ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
+from fusion_pass.kernels.reference import dense_attention, merge_attention
 
 __all__ = ["MLAAttentionImpl"]
 
-
-def _positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class MLAAttentionImpl:
@@ -61,11 +57,11 @@ class MLAAttentionImpl:
         kv_b_proj_weight: torch.Tensor,
         softmax_scale: float,
     ) -> None:
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.qk_nope_head_dim = _positive_int("qk_nope_head_dim", qk_nope_head_dim)
-        self.qk_rope_head_dim = _positive_int("qk_rope_head_dim", qk_rope_head_dim)
-        self.v_head_dim = _positive_int("v_head_dim", v_head_dim)
-        self.kv_lora_rank = _positive_int("kv_lora_rank", kv_lora_rank)
+        self.num_heads = positive_int("num_heads", num_heads)
+        self.qk_nope_head_dim = positive_int("qk_nope_head_dim", qk_nope_head_dim)
+        self.qk_rope_head_dim = positive_int("qk_rope_head_dim", qk_rope_head_dim)
+        self.v_head_dim = positive_int("v_head_dim", v_head_dim)
+        self.kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
         expected = (num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)
         if not isinstance(kv_b_proj_weight, torch.Tensor) or tuple(kv_b_proj_weight.shape) != expected:
             got = tuple(kv_b_proj_weight.shape) if isinstance(kv_b_proj_weight, torch.Tensor) else kv_b_proj_weight
@@ -75,21 +71,21 @@ class MLAAttentionImpl:
             )
         self.kv_b_proj_weight = kv_b_proj_weight
         self.softmax_scale = positive_softmax_scale(softmax_scale)
-        self._cache = _RequestCache()
+        self.cache = RequestCache()
 
     # -- cache -------------------------------------------------------------
 
     def clear_cache(self) -> None:
         """Drop every request's cached latents."""
-        self._cache.clear()
+        self.cache.clear()
 
     def cache_len(self, request_id: str) -> int:
         """Number of tokens cached for ``request_id`` (0 if unknown)."""
-        return self._cache.length(request_id)
+        return self.cache.length(request_id)
 
     # -- forward -------------------------------------------------------------
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``W_UK [H, nope, L]`` and ``W_UV [H, v, L]``."""
         w = self.kv_b_proj_weight.detach().float()
         w = w.reshape(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
@@ -138,9 +134,9 @@ class MLAAttentionImpl:
             raise ValueError(
                 f"q is on {q.device} but the layer's kv_b_proj weight is on {self.kv_b_proj_weight.device}"
             )
-        self._cache.check(spec, device=q.device)
+        self.cache.check(spec, device=q.device)
 
-    def _expand(self, latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
+    def expand(self, latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor):
         """Latent rows ``[S, L + rope]`` -> float32 k ``[S, H, nope + rope]``, v ``[S, H, v]``."""
         kv_c = latent[:, : self.kv_lora_rank].float()
         k_pe = latent[:, self.kv_lora_rank :].float()
@@ -148,6 +144,36 @@ class MLAAttentionImpl:
         v = torch.einsum("sl,hvl->shv", kv_c, w_uv)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_heads, -1)], dim=-1)
         return k, v
+
+    def prefill_qkv(
+        self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, spec: BatchSpec,
+        kv_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ContextRows]:
+        """Dense inputs of a varlen flash-attention kernel for a batch of prefills (no decode rows), appending
+        the new latents to the cache as :meth:`forward` does.
+
+        Returns ``q [T, H, nope + rope]`` as given, ``k [T, H, nope + rope]`` and ``v [T, H, v]`` of the new
+        tokens expanded through ``kv_b_proj`` (``k_pe`` broadcast to every head, as vLLM's MLA prefill does)
+        in ``kv_dtype`` (default q's dtype: the kernels take one dtype; the reference backend asks for float32), and the prefills' cached context as :data:`~fusion_pass.runtime.cache.ContextRows`
+        (the cached latents of the rows asked for, expanded the same way; read as they were before this call).
+        """
+        if spec.num_decode_tokens != 0:
+            raise ValueError(f"prefill_qkv takes prefills only; got a {spec.kind!r} batch")
+        self.check_inputs(q, kv_c_normed, k_pe, spec)  # side-effect free: before the cache changes
+        k_pe = k_pe.reshape(spec.num_tokens, self.qk_rope_head_dim)
+        latent = torch.cat([kv_c_normed, k_pe], dim=-1)  # [T, L + rope], input dtype
+        locs = spec.query_start_loc()
+        cached = [self.cache.extend(req, (latent[start:end],))[0][: req.context_len]
+                  for req, start, end in zip(spec.requests, locs[:-1], locs[1:])]
+        w_uk, w_uv = self.weights()
+        dtype = q.dtype if kv_dtype is None else kv_dtype
+
+        def expand(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = self.expand(rows, w_uk, w_uv)  # float32
+            return k.to(dtype), v.to(dtype)
+
+        k, v = expand(latent)
+        return q, k, v, lambda lo, hi: expand(packed_rows(cached, lo, hi))
 
     def forward(
         self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, spec: BatchSpec
@@ -165,31 +191,31 @@ class MLAAttentionImpl:
         """
         self.check_inputs(q, kv_c_normed, k_pe, spec)  # before any entry changes
         k_pe = k_pe.reshape(spec.num_tokens, self.qk_rope_head_dim)
-        w_uk, w_uv = self._weights()
+        w_uk, w_uv = self.weights()
         nope, lora = self.qk_nope_head_dim, self.kv_lora_rank
         out = torch.empty(spec.num_tokens, self.num_heads, self.v_head_dim, dtype=torch.float32, device=q.device)
 
         locs = spec.query_start_loc()
         for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
             new_rows = torch.cat([kv_c_normed[start:end], k_pe[start:end]], dim=-1)  # input dtype
-            (latent,) = self._cache.extend(req, (new_rows,), owned=True)  # [ctx + len, L + rope]
+            (latent,) = self.cache.extend(req, (new_rows,), owned=True)  # [ctx + len, L + rope]
             q_r = q[start:end].float()
             if req.is_decode:
                 # Absorbed form: scores in latent space against the cached rows.
                 q_lat = torch.einsum("thn,hnl->thl", q_r[..., :nope], w_uk)
                 q_mqa = torch.cat([q_lat, q_r[..., nope:]], dim=-1)  # [1, H, L + rope]
                 keys = latent.unsqueeze(1)  # [S, 1, L + rope], one shared head
-                o_lat, _ = attention_with_lse(
+                o_lat, _ = dense_attention(
                     q_mqa, keys, keys[..., :lora], scale=self.softmax_scale, causal=False
                 )
                 out[start:end] = torch.einsum("thl,hvl->thv", o_lat, w_uv)
                 continue
             ctx = req.context_len
-            k_new, v_new = self._expand(latent[ctx:], w_uk, w_uv)
-            o, lse = attention_with_lse(q_r, k_new, v_new, scale=self.softmax_scale, causal=True)
+            k_new, v_new = self.expand(latent[ctx:], w_uk, w_uv)
+            o, lse = dense_attention(q_r, k_new, v_new, scale=self.softmax_scale, causal=True)
             if ctx > 0:
-                k_ctx, v_ctx = self._expand(latent[:ctx], w_uk, w_uv)
-                o_ctx, lse_ctx = attention_with_lse(q_r, k_ctx, v_ctx, scale=self.softmax_scale, causal=False)
+                k_ctx, v_ctx = self.expand(latent[:ctx], w_uk, w_uv)
+                o_ctx, lse_ctx = dense_attention(q_r, k_ctx, v_ctx, scale=self.softmax_scale, causal=False)
                 o, lse = merge_attention(o_ctx, lse_ctx, o, lse)
             out[start:end] = o
         return out

@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from fusion_pass.runtime.context import BatchSpec, _RequestCache, positive_softmax_scale
-from fusion_pass.dense import attention_with_lse
+from fusion_pass.runtime.batch import BatchSpec
+from fusion_pass.runtime.cache import ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
+from fusion_pass.kernels.reference import dense_attention
 
 __all__ = ["AttentionImpl"]
 
-
-def _positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class AttentionImpl:
@@ -47,22 +43,22 @@ class AttentionImpl:
         v_head_dim: int | None = None,
         softmax_scale: float,
     ) -> None:
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+        self.num_heads = positive_int("num_heads", num_heads)
+        self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.v_head_dim = head_dim if v_head_dim is None else _positive_int("v_head_dim", v_head_dim)
+        self.head_dim = positive_int("head_dim", head_dim)
+        self.v_head_dim = head_dim if v_head_dim is None else positive_int("v_head_dim", v_head_dim)
         self.softmax_scale = positive_softmax_scale(softmax_scale)
-        self._cache = _RequestCache()
+        self.cache = RequestCache()
 
     def clear_cache(self) -> None:
         """Drop every request's cached keys and values."""
-        self._cache.clear()
+        self.cache.clear()
 
     def cache_len(self, request_id: str) -> int:
         """Number of tokens cached for ``request_id`` (0 if unknown)."""
-        return self._cache.length(request_id)
+        return self.cache.length(request_id)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec) -> torch.Tensor:
         """Attention for the batch ``spec``; appends the new keys/values to the cache.
@@ -80,13 +76,38 @@ class AttentionImpl:
         out = torch.empty(t, self.num_heads, self.v_head_dim, dtype=torch.float32, device=q.device)
         locs = spec.query_start_loc()
         for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
-            k_all, v_all = self._cache.extend(req, (k[start:end], v[start:end]))
-            out[start:end], _ = attention_with_lse(
+            k_all, v_all = self.cache.extend(req, (k[start:end], v[start:end]))
+            out[start:end], _ = dense_attention(
                 q[start:end], k_all, v_all, scale=self.softmax_scale, causal=True, q_offset=req.context_len
             )
         return out
 
     __call__ = forward
+
+    def prefill_qkv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec, kv_dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ContextRows]:
+        """Dense inputs of a varlen flash-attention kernel for a batch of prefills (no decode rows), appending
+        the new keys and values to the cache as :meth:`forward` does.
+
+        Returns ``q`` and ``k``, ``v`` in ``kv_dtype`` (default q's dtype: the kernels take one dtype; the
+        reference backend asks for float32) with unit stride along the head dim (the kernels' layout; the
+        runtime accepts any float inputs), and the prefills' cached context as
+        :data:`~fusion_pass.runtime.cache.ContextRows` (read as it was before this call).
+        """
+        if spec.num_decode_tokens != 0:
+            raise ValueError(f"prefill_qkv takes prefills only; got a {spec.kind!r} batch")
+        self.check_inputs(q, k, v, spec)  # side-effect free: before the cache changes
+        locs = spec.query_start_loc()
+        k_ctx, v_ctx = [], []
+        for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):
+            k_all, v_all = self.cache.extend(req, (k[start:end], v[start:end]))
+            k_ctx.append(k_all[: req.context_len])
+            v_ctx.append(v_all[: req.context_len])
+        dtype = q.dtype if kv_dtype is None else kv_dtype
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        k, v = (x.to(dtype).contiguous() if x.dtype != dtype or x.stride(-1) != 1 else x for x in (k, v))
+        return q, k, v, lambda lo, hi: (packed_rows(k_ctx, lo, hi).to(dtype), packed_rows(v_ctx, lo, hi).to(dtype))
 
     def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec) -> None:
         """q/k/v shapes against the layer config and ``spec.num_tokens`` (ValueError naming the argument)."""
@@ -114,4 +135,4 @@ class AttentionImpl:
         arguments in :meth:`forward`; one that fails has changed nothing.
         """
         self._check_inputs(q, k, v, spec)
-        self._cache.check(spec, device=q.device)
+        self.cache.check(spec, device=q.device)

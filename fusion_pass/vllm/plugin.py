@@ -12,19 +12,25 @@ import logging
 
 logger = logging.getLogger("vllm.fusion_pass")
 
+EXTRA_MODULES_ENV = "FUSION_PASS_VLLM_IMPORT"
+"""Comma-separated modules the plugin imports in every vLLM process (e.g. a quant method registered by a test
+suite: ``tests_vllm/nvfp4_test_quant.py``); they must be importable there (``PYTHONPATH``)."""
+
 
 def register() -> None:
+    import importlib
     import os
 
     import fusion_pass.ops  # noqa: F401  (registers torch.ops.fusion_pass.*)
 
-    if os.environ.get("FUSION_PASS_VLLM_TEST_QUANT") == "1":  # tests only (fusion_pass/vllm/testing.py)
-        from fusion_pass.vllm import testing  # noqa: F401  (registers quant_method "fusion_pass_test_nvfp4")
+    extra = os.environ.get(EXTRA_MODULES_ENV, "")
+    for name in filter(None, (n.strip() for n in extra.split(","))):  # e.g. the tests' NVFP4 quant method
+        importlib.import_module(name)
 
     try:
-        from fusion_pass.vllm import attention
+        from fusion_pass.vllm import attention_op
 
-        attention.register()
+        attention_op.register()
     except Exception as exc:  # never break vLLM's start-up; the pass reports it again when it runs
         logger.warning("fusion_pass: could not register the vLLM run-time ops (%s: %s); "
                        "the fusion pass will not rewrite in this process", type(exc).__name__, exc)

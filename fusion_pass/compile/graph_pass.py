@@ -1,0 +1,313 @@
+"""The fusion pass: an Inductor post-grad custom pass, its match report, and ``enable()``.
+
+Three ways to register it:
+
+* ``fusion_pass.enable()`` (a function and a context manager) installs a
+  :class:`FusionPass` as ``torch._inductor.config.post_grad_custom_post_pass``,
+  chained after a pass already installed there;
+* ``torch.compile(model, options={"post_grad_custom_post_pass": FusionPass()})``;
+* vLLM's compilation config (the vLLM adapter).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from fusion_pass.compile import debug, matcher
+from fusion_pass.patterns import PATTERNS, AttentionQuantPattern, OpVocabulary, fusion_pass_vocabulary
+
+logger = logging.getLogger("fusion_pass")
+
+
+@dataclass
+class GraphReport:
+    """What the pass did to one graph."""
+
+    graph: int
+    candidates: int = 0
+    rewritten: int = 0  # attention + quant fused, or an already quantized call retargeted
+    retargeted: int = 0  # of which retargeted
+    refused: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    layers: list[dict] = field(default_factory=list)  # one entry per candidate: layer, pattern, outcome
+
+    def line(self) -> str:
+        refused = ", ".join(f"{k}={v}" for k, v in sorted(self.refused.items())) or "none"
+        retargeted = f" ({self.retargeted} retargeted)" if self.retargeted else ""
+        return (f"fusion_pass: graph {self.graph}: {self.candidates} candidates, {self.rewritten} rewritten"
+                f"{retargeted}, refused: {refused} ({self.seconds * 1e3:.1f} ms)")
+
+
+def _resolve_patterns(patterns) -> tuple[AttentionQuantPattern, ...]:
+    """Entries of the pattern table, given as entries or by name; errors name the argument."""
+    if patterns is None:
+        return tuple(PATTERNS)
+    if isinstance(patterns, (str, AttentionQuantPattern)):
+        patterns = (patterns,)
+    by_name = {p.name: p for p in PATTERNS}
+    resolved = []
+    for entry in patterns:
+        if isinstance(entry, AttentionQuantPattern):
+            resolved.append(entry)
+        elif isinstance(entry, str):
+            if entry not in by_name:
+                raise ValueError(f"FusionPass: patterns names an unknown pattern {entry!r}; "
+                                 f"known patterns: {', '.join(by_name)}")
+            resolved.append(by_name[entry])
+        else:
+            raise TypeError(f"FusionPass: patterns must hold pattern names or entries of "
+                            f"fusion_pass.patterns.PATTERNS, got {type(entry).__name__} {entry!r}")
+    if not resolved:
+        raise ValueError("FusionPass: patterns must name at least one pattern")
+    return tuple(resolved)
+
+
+def _resolve_vocabularies(vocabularies) -> tuple[OpVocabulary, ...]:
+    if vocabularies is None:
+        return (fusion_pass_vocabulary(),)
+    if isinstance(vocabularies, OpVocabulary):
+        vocabularies = (vocabularies,)
+    vocabularies = tuple(vocabularies)
+    for vocab in vocabularies:
+        if not isinstance(vocab, OpVocabulary):
+            raise TypeError(f"FusionPass: vocabularies must hold OpVocabulary objects, "
+                            f"got {type(vocab).__name__} {vocab!r}")
+    if not vocabularies:
+        raise ValueError("FusionPass: vocabularies must hold at least one OpVocabulary")
+    return vocabularies
+
+
+class FusionPass(CustomGraphPass):
+    """Rewrites attention -> scaled_fp4_quant -> NVFP4 GEMM into one NVFP4-output attention call.
+
+    ``patterns``: entries of :data:`fusion_pass.patterns.PATTERNS` or their names
+    (default: all); ``vocabularies``: op vocabularies to match (default:
+    ``torch.ops.fusion_pass``).
+    """
+
+    def __init__(self, patterns: tuple[AttentionQuantPattern | str, ...] | None = None,
+                 vocabularies: tuple[OpVocabulary, ...] | None = None):
+        self.patterns = _resolve_patterns(patterns)
+        self.vocabularies = _resolve_vocabularies(vocabularies)
+        self.graphs: list[GraphReport] = []
+        for vocab in self.vocabularies:  # trace once per process (cached), here rather than per graph
+            for pattern in self._patterns_for(vocab):
+                matcher.anchor_ops(pattern, vocab)
+                for form in ("v1", "v2"):
+                    matcher.traced_replacement(pattern, vocab, form)
+
+    def _patterns_for(self, vocab: OpVocabulary):
+        roles = vocab.attention_ops().values()
+        return [p for p in self.patterns if p.role in roles]
+
+    # -- CustomGraphPass -------------------------------------------------------------------
+
+    def uuid(self) -> str:
+        """Changes with the pattern set, the pattern code, the vocabularies and the matcher."""
+        h = hashlib.sha256()
+        for pattern in self.patterns:
+            h.update(pattern.name.encode())
+            for fn in (pattern.pattern, pattern.replacement, pattern.extra_check):
+                h.update(inspect.getsource(fn).encode())
+        for vocab in self.vocabularies:
+            h.update(repr(vocab).encode())
+        h.update(inspect.getsource(matcher).encode())
+        return h.hexdigest()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        start = time.perf_counter()
+        report = GraphReport(graph=len(self.graphs))
+        before = debug.graph_source(graph) if debug.active() else None
+        for vocab in self.vocabularies:
+            self._run(graph, vocab, report)
+        if report.rewritten:
+            graph.lint()
+        report.seconds = time.perf_counter() - start
+        self.graphs.append(report)
+        if report.candidates:
+            logger.info(report.line())
+        if before is not None:
+            debug.record_graph(report.graph, before, debug.graph_source(graph), asdict(report))
+
+    def _run(self, graph: torch.fx.Graph, vocab: OpVocabulary, report: GraphReport) -> None:
+        """Each attention candidate: the enabled entries that apply to it (the table's order) are examined;
+        the first match is applied, else the first entry's refusal is reported."""
+        entries = self._patterns_for(vocab)
+        attention_ops = vocab.attention_ops()
+        candidates = [n for n in graph.nodes if matcher.wrapped_op(n)[0] in attention_ops]
+        refused: Counter = Counter(report.refused)
+        for node in candidates:
+            layer = matcher.layer_label(node)
+            report.candidates += 1
+            match, refusal = None, None
+            for entry in (p for p in entries if matcher.applies(node, p, vocab)):
+                found = matcher.examine(node, entry, vocab)
+                if isinstance(found, matcher.Match):
+                    match = found
+                    break
+                refusal = refusal or (found, entry.name)
+            if match is not None:
+                matcher.rewrite(graph, match, vocab)
+                report.rewritten += 1
+                report.retargeted += match.outcome == "retargeted"
+                report.layers.append({"layer": layer, "pattern": match.pattern.name, "outcome": match.outcome})
+                continue
+            reason, name = refusal or (matcher.unmatched_reason(node), None)
+            refused[reason] += 1
+            report.layers.append({"layer": layer, "pattern": name, "outcome": "refused", "reason": reason})
+        report.refused = dict(refused)
+
+    # -- report ----------------------------------------------------------------------------
+
+    def report(self) -> dict:
+        """Totals over every graph this pass ran on, the per-graph reports, the run-time counters
+        (:func:`fusion_pass.ops.runtime_counters`, process-wide) and the fraction of prefill tokens fused."""
+        from fusion_pass import ops
+
+        refused: Counter = Counter()
+        for g in self.graphs:
+            refused.update(g.refused)
+        runtime = ops.runtime_counters()
+        tokens = runtime["tokens"]
+        return {
+            "graphs": len(self.graphs),
+            "candidates": sum(g.candidates for g in self.graphs),
+            "rewritten": sum(g.rewritten for g in self.graphs),
+            "retargeted": sum(g.retargeted for g in self.graphs),
+            "refused": dict(refused),
+            "seconds": sum(g.seconds for g in self.graphs),
+            "per_graph": [asdict(g) for g in self.graphs],
+            "runtime": runtime,
+            # per token: the share of prefill rows the fused backend wrote (None before any NVFP4 attention call)
+            "prefill_fused_fraction": tokens["prefill_fused"] / tokens["prefill"] if tokens["prefill"] else None,
+        }
+
+
+class ChainedPass(CustomGraphPass):
+    """Runs the passes installed before ours (one pass or a list of them, in order), then ``second``."""
+
+    def __init__(self, first, second: CustomGraphPass):
+        self.firsts = list(first) if isinstance(first, (list, tuple)) else [first]
+        self.second = second
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for other in self.firsts:
+            other(graph)
+        self.second(graph)
+
+    def uuid(self):
+        uuids = [other.uuid() if hasattr(other, "uuid") else None for other in self.firsts]
+        if any(u is None for u in uuids):
+            return None  # a plain callable cannot be hashed: Inductor then skips its FX graph cache
+        return hashlib.sha256(":".join([*map(str, uuids), self.second.uuid()]).encode()).hexdigest()
+
+
+_lock = threading.Lock()  # guards the two lists below and the config value they describe
+_active: list["enable"] = []  # enable() handles not yet disabled, oldest first
+_before_first: list = []  # [what was installed before the oldest active handle], while any is active
+
+
+def _compose():
+    """The pass to install for the active handles: what was there before, then each handle's FusionPass."""
+    previous = _before_first[0]
+    firsts = [] if previous is None else list(previous) if isinstance(previous, (list, tuple)) else [previous]
+    firsts += [h.fusion for h in _active[:-1]]
+    return ChainedPass(firsts, _active[-1].fusion) if firsts else _active[-1].fusion
+
+
+def _drop_compiled_code() -> None:
+    """Make every torch.compile'd function recompile on its next call.
+
+    Dynamo keeps compiled code per function and does not guard on Inductor's
+    ``post_grad_custom_post_pass``; without this, a function compiled before a
+    change keeps the graph it was compiled with.
+    """
+    torch._dynamo.reset_code_caches()
+
+
+def _has_compiled_code() -> bool:
+    from torch._dynamo import convert_frame
+
+    return any(ref() is not None for ref in convert_frame.input_codes.seen)
+
+
+class enable:
+    """Install a :class:`FusionPass` as Inductor's post-grad custom post pass.
+
+    ``fusion_pass.enable()`` installs it for the rest of the process (until
+    :meth:`disable`) and returns the handle; ``with fusion_pass.enable() as fp:``
+    installs it for the block. A pass already installed there keeps running,
+    before ours. Handles can be disabled in any order: once all are, what was
+    installed before the first of them is back.
+
+    ``recompile`` (default True): enabling and disabling make every function
+    compiled with ``torch.compile`` recompile on its next call, so that
+    functions compiled before ``enable()`` pick the pass up and functions
+    compiled inside a ``with`` block drop it after the block (Dynamo does not
+    notice Inductor's config changing). With ``recompile=False`` compiled
+    functions keep the graphs they have, and ``enable()`` warns when some exist;
+    to scope the pass to one function instead, compile it with
+    ``options={"post_grad_custom_post_pass": FusionPass()}``.
+    """
+
+    def __init__(self, fusion: FusionPass | None = None, *, recompile: bool = True):
+        from torch._inductor import config
+
+        if fusion is not None and not isinstance(fusion, FusionPass):
+            raise TypeError(f"enable(fusion): fusion must be a FusionPass or None (a default FusionPass()), "
+                            f"got {type(fusion).__name__} {fusion!r}")
+        if not isinstance(recompile, bool):
+            raise TypeError(f"enable(recompile): must be True or False, got {recompile!r}")
+        self.fusion = fusion or FusionPass()
+        self.recompile = recompile
+        self._enabled = True
+        with _lock:
+            if not _active:
+                _before_first[:] = [config.post_grad_custom_post_pass]
+            _active.append(self)
+            self._install(config)
+
+    def _install(self, config) -> None:
+        """Install the composition of the active handles, or what was there before all of them."""
+        config.post_grad_custom_post_pass = _compose() if _active else _before_first.pop()
+        if self.recompile:
+            _drop_compiled_code()
+        elif _has_compiled_code():
+            logger.warning("fusion_pass.enable(recompile=False): functions already compiled with torch.compile "
+                           "keep the graphs they were compiled with; the change applies to new compiles only")
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def report(self) -> dict:
+        return self.fusion.report()
+
+    def __enter__(self) -> FusionPass:
+        return self.fusion
+
+    def __exit__(self, *exc) -> None:
+        self.disable()
+
+    def disable(self) -> None:
+        """Remove this handle's pass; once every handle is disabled, restore what was installed before.
+
+        Calling it again does nothing.
+        """
+        from torch._inductor import config
+
+        with _lock:
+            if not self._enabled:
+                return
+            self._enabled = False
+            _active.remove(self)
+            self._install(config)

@@ -1,0 +1,479 @@
+"""Find attention -> NVFP4 quant -> GEMM chains in a post-grad graph, refuse with a reason, or rewrite.
+
+Mutating ops appear in the post-grad graph wrapped in one of two higher-order
+ops, and both are handled:
+
+* ``auto_functionalized(op, **kwargs)`` (v1; vLLM forces it): mutable args are
+  kwargs, result ``i`` of the wrapper is the ``i``-th mutable arg after the op's
+  own return value;
+* ``auto_functionalized_v2(op, **kwargs, _all_bases=[...])`` (torch.compile's
+  default): mutable args are given as bases (``_<arg>_base_index``), and the
+  wrapper returns the op's return value followed by the mutated bases.
+
+Every attention node of the vocabulary is a candidate. The pattern table
+drives the match: an entry's traced pattern gives its anchors (the wrapped ops
+in order) and the optional output arguments its attention call sets;
+:func:`applies` selects the entries whose first anchor and form a node has.
+:func:`examine` then returns a :class:`Match` or the reason it is refused, and
+:func:`rewrite` applies it. Two forms follow from the anchors:
+
+* attention -> quant (two anchors): the quant must read the attention output
+  through order-keeping views; the pattern's traced replacement is inlined in
+  place of attention + quant;
+* attention alone, already given the quant's buffers by another pass (one
+  anchor): the call is retargeted to the vocabulary's fused op, which has the
+  same arguments.
+
+A match is a proof, from the nodes' traced values, that the quant reads the
+attention output's elements in row-major ``[T, H*Dv]`` order with ``T`` the
+query's symbolic token count (:mod:`fusion_pass.compile.layout`); whatever cannot be
+proven is refused with a reason naming what failed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.functional_tensor import dispatch_functionalize
+
+from fusion_pass.compile import layout
+from fusion_pass.patterns import AttentionQuantPattern, OpVocabulary
+
+aten = torch.ops.aten
+HOPS = {
+    torch.ops.higher_order.auto_functionalized: "v1",
+    torch.ops.higher_order.auto_functionalized_v2: "v2",
+}
+
+
+# ---------------------------------------------------------------- the two functionalized forms
+
+
+def wrapped_op(node: Node):
+    """``(op, form)`` when ``node`` is an auto_functionalized[_v2] call, else ``(None, None)``."""
+    if node.op == "call_function" and node.target in HOPS:
+        return node.args[0], HOPS[node.target]
+    return None, None
+
+
+def _mutable_args(op) -> list[str]:
+    return [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _result_index(node: Node, arg: str) -> int | None:
+    op, form = wrapped_op(node)
+    if form == "v1":
+        return 1 + _mutable_args(op).index(arg)
+    base = node.kwargs.get(f"_{arg}_base_index")
+    return None if base is None else 1 + base
+
+
+def mutated_result(node: Node, arg: str) -> Node | None:
+    """The getitem node that carries ``arg`` after the mutation (None if nobody reads it)."""
+    index = _result_index(node, arg)
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == index:
+            return user
+    return None
+
+
+def buffer_arg(node: Node, arg: str):
+    """The node passed as mutable ``arg`` (its base, in the v2 form)."""
+    if wrapped_op(node)[1] == "v1":
+        return node.kwargs.get(arg)
+    base = node.kwargs.get(f"_{arg}_base_index")
+    return None if base is None else node.kwargs["_all_bases"][base]
+
+
+def is_view_of_base(node: Node, arg: str) -> bool:
+    """In the v2 form: the mutable arg was a view (with its own size/stride) of its base."""
+    return wrapped_op(node)[1] == "v2" and f"_{arg}_size" in node.kwargs
+
+
+def input_names(node: Node, count: int) -> list[str]:
+    """The names of the first ``count`` arguments of the wrapped op: its tensor inputs.
+
+    Vocabularies name them differently (``q``/``k``/``v`` here, ``query``/``key``/``value``
+    in vLLM's standard attention op); the schema is the source of truth.
+    """
+    return [a.name for a in wrapped_op(node)[0]._schema.arguments[:count]]
+
+
+def query_value(attention: Node):
+    """The traced value of the attention op's first input (the query, ``[T, H, Dqk]``)."""
+    return layout.value(attention.kwargs.get(input_names(attention, 1)[0]))
+
+
+def layer_label(attention: Node) -> str | None:
+    """The layer name as text: a string kwarg, or a graph input carrying an opaque object
+    (vLLM's ``LayerName``) whose traced value holds the name."""
+    name = attention.kwargs.get("layer_name")
+    if name is None or isinstance(name, str):
+        return name
+    real = getattr(layout.value(name), "real_obj", None)
+    value = getattr(real, "value", real)
+    return value if isinstance(value, str) else f"<{getattr(name, 'name', name)}>"
+
+
+# ---------------------------------------------------------------- candidates
+
+
+@dataclass
+class Facts:
+    """What a candidate's shapes say; ``extra_check`` reads these."""
+
+    num_heads: int
+    v_head_dim: int
+
+
+@dataclass
+class Match:
+    pattern: AttentionQuantPattern
+    attention: Node
+    quant: Node | None  # None: an already quantized attention call, retargeted
+    chain: list[Node]  # the view nodes from the attention result to the quant input
+    form: str
+
+    @property
+    def outcome(self) -> str:
+        """How the report names the rewrite: ``"rewritten"`` (attention + quant fused) or ``"retargeted"``."""
+        return "rewritten" if self.quant is not None else "retargeted"
+
+
+def _reaches(node: Node, targets: set, depth: int = 8) -> bool:
+    """Whether a quant op of ``targets`` reads ``node`` through at most ``depth`` view ops."""
+    for user in node.users:
+        if wrapped_op(user)[0] in targets:
+            return True
+        if depth and user.target in layout.VIEW_CHAIN_OPS and _reaches(user, targets, depth - 1):
+            return True
+    return False
+
+
+def _view_kwargs(node: Node, arg: str) -> dict:
+    """The v2 view description of mutable ``arg`` (``_<arg>_size`` ...), empty when it is the base itself."""
+    prefix = f"_{arg}_"
+    return {k[len(prefix):]: v for k, v in node.kwargs.items()
+            if k.startswith(prefix) and k != f"{prefix}base_index"}
+
+
+def attention_output_width(attention: Node, q_val: torch.Tensor, dtype: torch.dtype | None = None) -> int | str:
+    """The elements per token (``H*Dv`` for the query dtype, ``H*Dv/2`` packed bytes for uint8) when the
+    attention op writes its output as row-major ``[T, width]`` elements of ``dtype`` (default: the query's)
+    of the value the graph carries on (v1: the mutated ``output``; v2: the mutated base), else a refusal
+    reason.
+
+    v1: ``output`` must be row-major. v2: ``output`` must be its base, or a row-major view of all of
+    it starting where it starts (an alias, a whole slice, or an as_strided view proving that), and the
+    base must be row-major. Either way the written view has ``T`` rows, ``T = q_val.shape[0]`` (the query).
+    """
+    if wrapped_op(attention)[1] == "v1":
+        out = layout.value(attention.kwargs.get("output"))
+        if not isinstance(out, torch.Tensor):
+            return "unknown_attention_shape"
+        if not layout.tensor_is_row_major(out):
+            return "attention_output_not_contiguous"
+        size = list(out.shape)
+    else:
+        base = layout.value(buffer_arg(attention, "output"))
+        if not isinstance(base, torch.Tensor):
+            return "unknown_attention_shape"
+        view = _view_kwargs(attention, "output")
+        size = list(base.shape)
+        if "size" in view:  # as_strided view of the base
+            size = [layout.value(n) for n in view["size"]]
+            stride = [layout.value(n) for n in view["stride"]]
+            offset = layout.value(view.get("storage_offset"))
+            if not layout.is_row_major(size, stride):
+                return "attention_output_not_contiguous"
+            if not (layout.known_equal(math.prod(size), base.numel())
+                    and layout.known_equal(offset, base.storage_offset())):
+                return "attention_output_is_part_of_a_buffer"
+        elif "slice_dim" in view:
+            dim = view["slice_dim"] % base.dim()
+            start, end = layout.value(view.get("slice_start")), layout.value(view.get("slice_end"))
+            if not ((start is None or layout.known_equal(start, 0))
+                    and (end is None or layout.known_at_least(end, base.shape[dim]))):
+                return "attention_output_is_part_of_a_buffer"
+        if not layout.tensor_is_row_major(base):
+            return "attention_output_not_contiguous"
+    tokens = q_val.shape[0]
+    written = out if wrapped_op(attention)[1] == "v1" else base
+    if written.dtype != (q_val.dtype if dtype is None else dtype):
+        return ("attention_output_dtype_is_not_the_query_dtype" if dtype is None
+                else "quantized_output_is_not_uint8")
+    if not size or not layout.known_equal(size[0], tokens):
+        return "attention_output_rows_are_not_tokens"
+    per_token = size[1:]
+    if not all(isinstance(d, int) for d in per_token):
+        return "unknown_attention_shape"
+    return math.prod(per_token)
+
+
+def _facts(attention: Node, width: int) -> Facts | None:
+    """Heads from the query's static dims (never guards on the symbolic token count)."""
+    q_val = query_value(attention)
+    if not isinstance(q_val, torch.Tensor) or q_val.dim() != 3 or not isinstance(q_val.shape[1], int):
+        return None
+    heads = q_val.shape[1]
+    if width % heads:
+        return None
+    return Facts(num_heads=heads, v_head_dim=width // heads)
+
+
+def _quant_buffers_reason(quant: Node) -> str | None:
+    """The fused op writes the quant's buffers whole and row-major: they must be exactly that."""
+    if is_view_of_base(quant, "output") or is_view_of_base(quant, "output_scale"):
+        return "quant_buffers_are_views"
+    for arg in ("output", "output_scale"):
+        if not layout.tensor_is_row_major(layout.value(buffer_arg(quant, arg))):
+            return "quant_buffers_not_contiguous"
+    return None
+
+
+OPTIONAL_OUTPUT_ARGS = ("output_scale", "output_block_scale")
+"""The attention ops' optional arguments that make them write a quantized output."""
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """One wrapped op of a traced pattern, and which optional output arguments its call sets."""
+
+    op: object
+    sets: frozenset
+
+
+@functools.lru_cache(maxsize=None)
+def anchors(pattern: AttentionQuantPattern, vocab: OpVocabulary) -> tuple[Anchor, ...]:
+    """The traced pattern's wrapped ops, in order (attention first)."""
+    gm = traced_pattern(pattern, vocab, "v1")
+    return tuple(Anchor(wrapped_op(n)[0], _sets(n)) for n in gm.graph.nodes if wrapped_op(n)[0] is not None)
+
+
+def _sets(node: Node) -> frozenset:
+    """The optional output arguments given to a wrapped attention call (v2 passes mutable ones as bases)."""
+    return frozenset(a for a in OPTIONAL_OUTPUT_ARGS
+                     if node.kwargs.get(a) is not None or node.kwargs.get(f"_{a}_base_index") is not None)
+
+
+def applies(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> bool:
+    """Whether ``attention`` is the first anchor of ``pattern`` in the same form (same optional outputs set)."""
+    first = anchors(pattern, vocab)[0]
+    return wrapped_op(attention)[0] is first.op and _sets(attention) == first.sets
+
+
+def unmatched_reason(attention: Node) -> str:
+    """The refusal of a candidate that no enabled entry applies to."""
+    return "attention_already_quantized" if _sets(attention) else "pattern_not_enabled"
+
+
+def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> Match | str:
+    """A :class:`Match` of ``pattern`` at ``attention`` (a node it :func:`applies` to), or why it is refused."""
+    following = anchors(pattern, vocab)[1:]
+    if not following:
+        return _examine_quantized(attention, pattern, vocab)
+    return _examine_chain(attention, pattern, vocab, following[0].op)
+
+
+def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary, quant_op) -> Match | str:
+    """attention -> views -> quant (``quant_op``) -> GEMM, proven, not assumed: the quant reads the attention
+    output's elements in row-major ``[T, H*Dv]`` order (``T`` the query's symbolic token count) through views
+    that keep that order (:mod:`fusion_pass.compile.layout`), and the attention writes its output whole and row-major.
+    """
+    result = mutated_result(attention, "output")
+    if result is None:
+        return "attention_output_unused"
+    chain, node, broken = [], result, None
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            if _reaches(node, {quant_op}):
+                return "bf16_output_has_other_users"
+            return "no_nvfp4_quant_consumer" if users else "attention_output_unused"
+        (user,) = users
+        op = wrapped_op(user)[0]
+        if op is quant_op:
+            break
+        if op in vocab.other_quants:
+            return "quant_is_another_format"
+        if user.target in layout.VIEW_CHAIN_OPS and user.args and user.args[0] is node:
+            broken = broken or layout.step_reason(user)
+            chain.append(user)
+            node = user
+            continue
+        return "no_nvfp4_quant_consumer"
+    quant = user
+    if quant.kwargs.get("input") is not node:
+        return "bf16_output_is_not_the_quant_input"
+    if broken:
+        return broken
+    q_val = query_value(attention)
+    if not isinstance(q_val, torch.Tensor) or q_val.dim() < 1:
+        return "unknown_attention_shape"
+    tokens = q_val.shape[0]
+    width = attention_output_width(attention, q_val)
+    if isinstance(width, str):
+        return width
+    if not layout.reads_token_rows(layout.value(node), tokens, width):
+        return "quant_rows_are_not_tokens"
+    if quant.kwargs.get("is_sf_swizzled_layout") is not True:
+        return "quant_scales_not_swizzled"
+    reason = _quant_buffers_reason(quant)
+    if reason:
+        return reason
+    quant_out = mutated_result(quant, "output")
+    if quant_out is None or not any(u.target is vocab.nvfp4_gemm for u in quant_out.users):
+        return "no_nvfp4_gemm_consumer"
+    facts = _facts(attention, width)
+    if facts is None:
+        return "unknown_attention_shape"
+    reason = pattern.extra_check(facts)
+    if reason:
+        return reason
+    return Match(pattern, attention, quant, chain, wrapped_op(attention)[1])
+
+
+def _schema_signature(op) -> list[tuple]:
+    return [(a.name, str(a.type), a.alias_info is not None and a.alias_info.is_write) for a in op._schema.arguments]
+
+
+def _examine_quantized(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> Match | str:
+    """An attention call another pass already gave the quant's buffers (``output`` packed uint8, ``output_scale``
+    the global scale, ``output_block_scale`` the swizzled scales), retargetable to the vocabulary's fused op."""
+    op = wrapped_op(attention)[0]
+    target = vocab.writing_nvfp4(pattern.role)
+    if target is op:
+        return "attention_already_quantized"  # it already is this vocabulary's NVFP4-writing call
+    if _schema_signature(target) != _schema_signature(op):
+        return "fused_op_arguments_differ"
+    if mutated_result(attention, "output") is None:
+        return "attention_output_unused"
+    q_val = query_value(attention)
+    if not isinstance(q_val, torch.Tensor) or q_val.dim() < 1:
+        return "unknown_attention_shape"
+    packed = attention_output_width(attention, q_val, torch.uint8)
+    if isinstance(packed, str):
+        return packed
+    if is_view_of_base(attention, "output_block_scale") or not layout.tensor_is_row_major(
+            layout.value(buffer_arg(attention, "output_block_scale"))):
+        return "quant_buffers_not_contiguous"
+    facts = _facts(attention, 2 * packed)
+    if facts is None:
+        return "unknown_attention_shape"
+    reason = pattern.extra_check(facts)
+    if reason:
+        return reason
+    return Match(pattern, attention, None, [], wrapped_op(attention)[1])
+
+
+# ---------------------------------------------------------------- rewriting
+
+
+@functools.lru_cache(maxsize=None)
+def traced_replacement(pattern: AttentionQuantPattern, vocab: OpVocabulary, form: str) -> torch.fx.GraphModule:
+    """The pattern's replacement traced through functionalization in ``form``, once per process.
+
+    The trace sets Inductor's functionalization flag only while tracing this
+    private template; the user's compile settings are never touched.
+    """
+    fn = functools.partial(pattern.replacement, vocab, layer_name=_LAYER_NAME_SLOT)
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=form == "v2"):
+        return make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*pattern.example_inputs())
+
+
+@functools.lru_cache(maxsize=None)
+def traced_pattern(pattern: AttentionQuantPattern, vocab: OpVocabulary, form: str) -> torch.fx.GraphModule:
+    """The pattern itself, traced the same way (used to derive anchors and in docs/tests)."""
+    fn = functools.partial(pattern.pattern, vocab, layer_name=_LAYER_NAME_SLOT)
+    with torch._inductor.config.patch(enable_auto_functionalized_v2=form == "v2"):
+        return make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*pattern.example_inputs())
+
+
+def anchor_ops(pattern: AttentionQuantPattern, vocab: OpVocabulary) -> tuple:
+    """The wrapped ops of the traced pattern in order: (attention op, quant op), or (attention op,)."""
+    return tuple(a.op for a in anchors(pattern, vocab))
+
+
+_LAYER_NAME_SLOT = "<layer_name>"
+_PROVENANCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
+    """Apply ``match``; returns the attention node that now writes NVFP4.
+
+    attention -> quant: replaced by the attention op writing the quant's buffers
+    (the pattern's traced replacement); the quant's consumers (the GEMM) read the
+    new node's results; the bf16 output, its views and the quant are erased.
+    Already quantized: the call is retargeted to the vocabulary's fused op, its
+    arguments and users unchanged.
+    """
+    attention, quant = match.attention, match.quant
+    if quant is None:
+        attention.args = (vocab.writing_nvfp4(match.pattern.role), *attention.args[1:])
+        return attention
+    template = traced_replacement(match.pattern, vocab, match.form)
+    n_inputs = len(match.pattern.inputs)
+    inputs = [attention.kwargs[name] for name in input_names(attention, n_inputs)]
+    placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
+    values = inputs + [buffer_arg(attention, "output"), buffer_arg(quant, "output"),
+                       buffer_arg(quant, "output_scale"), quant.kwargs["input_scale"]]
+    env = dict(zip(placeholders, values))
+    assert len(placeholders) == n_inputs + 4, "replacement signature: inputs, output, quant_out, quant_scale, gs"
+
+    old_out, old_scale = mutated_result(quant, "output"), mutated_result(quant, "output_scale")
+    with graph.inserting_before(quant):
+        new_out, new_scale = graph.graph_copy(template.graph, env)
+    new_attention = new_out.args[0]
+    for template_node, node in env.items():  # drop the template's metadata (its own fake mode and shapes)
+        if template_node.op != "placeholder":
+            node.meta.clear()
+            if node.target is operator.getitem and not node.users and node not in (new_out, new_scale):
+                graph.erase_node(node)
+    for name in _passthrough_args(attention, n_inputs):  # layer_name and whatever else the op takes
+        new_attention.update_kwarg(name, attention.kwargs[name])
+    for node in (new_attention, new_out, new_scale):  # keep where it came from, for dumps and errors
+        node.meta.update({k: v for k, v in attention.meta.items() if k in _PROVENANCE_META})
+    out_val = old_out.meta.get("val") if old_out is not None else None
+    scale_val = old_scale.meta.get("val") if old_scale is not None else None
+    new_out.meta["val"], new_scale.meta["val"] = out_val, scale_val
+    new_attention.meta["val"] = (None, out_val, scale_val)
+    if old_out is not None:
+        old_out.replace_all_uses_with(new_out)
+    if old_scale is not None:
+        old_scale.replace_all_uses_with(new_scale)
+    _erase_dead(graph, [quant, *reversed(match.chain), attention])
+    return new_attention
+
+
+_REWRITTEN_ARGS = ("output", "output_scale", "output_block_scale")
+
+
+def _passthrough_args(attention: Node, n_inputs: int) -> list[str]:
+    """Arguments the rewrite keeps as they are: every schema argument but the inputs and the outputs
+    (``layer_name``; in vLLM's ops also ``kv_cache_dummy_dep``, which keeps the KV-cache update alive)."""
+    skip = set(input_names(attention, n_inputs)) | set(_REWRITTEN_ARGS)
+    return [a.name for a in wrapped_op(attention)[0]._schema.arguments
+            if a.name not in skip and a.name in attention.kwargs]
+
+
+def _erase_dead(graph: Graph, roots: list[Node]) -> None:
+    """Erase ``roots`` (with their getitems) and the inputs they leave unused that only they fed."""
+    for root in roots:
+        if getattr(root, "_erased", False):
+            continue
+        for user in list(root.users):
+            if user.target is operator.getitem and not user.users:
+                graph.erase_node(user)
+        if root.users:
+            continue
+        feeders = [n for n in root.all_input_nodes]
+        graph.erase_node(root)
+        for node in feeders:  # the bf16 output buffer and its view, now unused
+            if not node.users and node.op == "call_function" and node.target in layout.VIEW_CHAIN_OPS | {aten.empty.memory_format}:
+                _erase_dead(graph, [node])

@@ -1,0 +1,471 @@
+"""FlashAttention-4 on Hopper (SM90): bf16/fp16 forward and the fused NVFP4 forward.
+
+Entry points (tensors in, tensors out; no knowledge of backends or batches):
+
+* :func:`fa4_attention_varlen` — FA4's own varlen forward
+  (``flash_attn.cute.flash_attn_varlen_func``) with ``pack_gqa=False`` and
+  ``num_splits=1``, the configuration the fused kernel shares;
+* :func:`fa4_attention_nvfp4_varlen` — :class:`~fusion_pass.kernels.fa4.sm90_kernel.FlashAttentionForwardSm90Nvfp4`
+  (FA4's SM90 kernel with an NVFP4 epilogue) writing into the caller's buffers.
+
+Both take an optional ``cu_seqlens_k``: keys/values in their own packed workspace (cached
+context followed by the new tokens), causal aligned bottom-right as FA4 does it.
+
+This module imports without FA4: ``flash_attn.cute`` / ``cutlass`` are imported on the first
+call, after the arguments are checked (:func:`check_fa4_args`). Needs the ``fa4`` extra
+(``pip install 'attn-nvfp4-fusion[fa4]'``), pinned to the release the subclass was written
+against (:data:`FA4_VERSION`, :data:`CUTLASS_DSL_VERSION`; ``docs/fa4.md``).
+
+Compilation: the first call per configuration compiles (a few seconds); the compiled
+function is kept in an FA4 ``get_jit_cache`` cache whose key starts with
+:data:`KERNEL_VERSION` (FA4's persistent cache fingerprints only FA4's own sources, so an edit
+to our subclass must change that string). Token counts, batch size and head count are
+run-time values: one compilation serves every batch of a layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import math
+import threading
+import warnings
+
+import torch
+from torch import Tensor
+
+from fusion_pass.kernels.checks import (
+    HALF_DTYPES,
+    check_cu_seqlens_k,
+    check_max_seqlen_k,
+    check_qkv,
+    describe,
+    zero_nvfp4_scale_padding,
+)
+
+__all__ = [
+    "FA4_VERSION",
+    "CUTLASS_DSL_VERSION",
+    "KERNEL_VERSION",
+    "SUPPORTED_HEAD_DIMS",
+    "FA4_INSTALL_HINT",
+    "fa4_import_status",
+    "fa4_sm90_usable",
+    "check_fa4_args",
+    "check_nvfp4_buffers",
+    "fa4_attention_varlen",
+    "fa4_attention_nvfp4_varlen",
+    "compile_nvfp4_kernel",
+    "kernel_config",
+]
+
+FA4_VERSION = "4.0.0b36"
+"""The flash-attn-4 release the subclass overrides internals of (pinned in pyproject's ``fa4`` extra)."""
+
+CUTLASS_DSL_VERSION = "4.8.1"
+"""The nvidia-cutlass-dsl release it was compiled with."""
+
+KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/1"
+"""First element of the compile-cache key; bump it whenever ``fa4_sm90_kernel.py`` changes."""
+
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
+"""``(D, Dv)`` pairs of the fused kernel: FA4 SM90 head dims whose ``Dv`` fills the kernel's
+``tile_hdimv`` exactly and divides into whole 16-element blocks per epilogue thread."""
+
+FA4_INSTALL_HINT = "pip install 'attn-nvfp4-fusion[fa4]'"
+
+_BLOCK = 16
+
+
+def _address(t: Tensor) -> int:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return 0 if isinstance(t, FakeTensor) else t.data_ptr()  # fake tensors: compile-only checks
+
+
+def kernel_config(head_dim: int, head_dim_v: int, causal: bool) -> tuple[int, int, bool, bool]:
+    """``(tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap)``: FA4 4.0.0b36's SM90 choice
+    (``interface._tile_size_fwd_sm90``), restated here so the checks need no FA4. The
+    compile path asks FA4 itself and fails loudly if the two disagree."""
+    if head_dim <= 64:
+        return 192, 128, True, True
+    if head_dim <= 96:
+        return 192, 128 if causal else 144, False, True
+    if head_dim <= 128:
+        return 128, 128, True, True
+    if head_dim <= 192:
+        return 128, 128 if head_dim_v <= 128 else 112, True, True
+    return 128, 80, True, True
+
+
+def _epilogue_threads(tile_m: int) -> int:
+    return 128 * (tile_m // 64)  # FA4 SM90: one 128-thread warpgroup per 64 rows of the tile
+
+
+def check_fa4_args(
+    fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k=None, max_seqlen_k=None
+) -> None:
+    """Shapes, dtypes, devices and head dims the FA4 SM90 kernels accept (no FA4 import, no sync).
+
+    With ``cu_seqlens_k``, ``k``/``v`` may have another token count than ``q``; its values
+    (and ``cu_seqlens``'s) are not read."""
+    check_qkv(fn, q, k, v, separate_kv=cu_seqlens_k is not None)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or _address(t) % 16:
+            raise ValueError(
+                f"{fn}: {name} must be 16-byte aligned with 16-byte aligned strides (TMA), "
+                f"got strides {t.stride()} and address {_address(t):#x}"
+            )
+    d, dv = q.shape[2], v.shape[2]
+    if (d, dv) not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"{fn}: head dims (q/k D={d}, v Dv={dv}) are not supported by the FA4 SM90 kernels; "
+            f"supported (D, Dv): {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
+        )
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens)}")
+    if cu_seqlens.numel() < 2 or cu_seqlens.device != q.device or not cu_seqlens.is_contiguous():
+        raise ValueError(f"{fn}: cu_seqlens must be contiguous int32 [B + 1 >= 2] on {q.device}, got {describe(cu_seqlens)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    if cu_seqlens_k is not None:
+        check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
+    check_max_seqlen_k(fn, max_seqlen_k, cu_seqlens_k)
+    if (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
+        raise ValueError(f"{fn}: softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"{fn}: causal must be a bool, got {causal!r}")
+
+
+def check_nvfp4_buffers(fn: str, q, v, output, output_scale, output_block_scale) -> None:
+    """The fused kernel's output buffers (no FA4 import, no sync)."""
+    t, h, _ = q.shape
+    dv = v.shape[2]
+    row_bytes = h * dv // 2
+    if row_bytes % 8:
+        raise ValueError(
+            f"{fn}: H * Dv / 2 must be divisible by 8 (one 8-byte store per 16-element block), "
+            f"got H={h}, Dv={dv}: {row_bytes}"
+        )
+    tile_m = kernel_config(q.shape[2], dv, True)[0]
+    if _epilogue_threads(tile_m) % (dv // _BLOCK):
+        raise ValueError(
+            f"{fn}: v's head dim Dv={dv} splits into {dv // _BLOCK} blocks of 16, which does not divide the "
+            f"{_epilogue_threads(tile_m)} epilogue threads of a {tile_m}-row tile"
+        )
+    if not isinstance(output, Tensor) or output.element_size() != 1 or output.device != q.device:
+        raise ValueError(f"{fn}: output must be a one-byte tensor on {q.device}, got {describe(output)}")
+    if output.numel() != t * row_bytes or not output.is_contiguous():
+        raise ValueError(
+            f"{fn}: output must be contiguous with T * H * Dv / 2 = {t * row_bytes} bytes ([T, H*Dv/2] uint8), "
+            f"got {describe(output)}"
+        )
+    if _address(output) % 16:
+        raise ValueError(f"{fn}: output must be 16-byte aligned, got address {_address(output):#x}")
+    if (
+        not isinstance(output_scale, Tensor)
+        or output_scale.dtype != torch.float32
+        or output_scale.numel() != 1
+        or output_scale.device != q.device
+    ):
+        raise ValueError(
+            f"{fn}: output_scale must be a one-element float32 tensor on {q.device} (the global scale), "
+            f"got {describe(output_scale)}"
+        )
+    rows = -(-t // 128) * 128
+    cols = -(-(h * dv // _BLOCK) // 4) * 4
+    if (
+        not isinstance(output_block_scale, Tensor)
+        or output_block_scale.device != q.device
+        or not output_block_scale.is_contiguous()
+        or output_block_scale.numel() * output_block_scale.element_size() != rows * cols
+    ):
+        raise ValueError(
+            f"{fn}: output_block_scale must be a contiguous buffer of round_up(T,128) * round_up(H*Dv/16,4) = "
+            f"{rows} * {cols} bytes on {q.device} (swizzled e4m3 scales), got {describe(output_block_scale)}"
+        )
+
+# ---------------------------------------------------------------------------
+# FA4 (lazy)
+# ---------------------------------------------------------------------------
+
+
+def _import_error_message(exc: BaseException) -> str:
+    if isinstance(exc, ModuleNotFoundError) and exc.name in ("flash_attn", "flash_attn.cute", "cutlass"):
+        return f"flash_attn.cute is not installed ({FA4_INSTALL_HINT})"
+    return f"flash_attn.cute failed to import: {type(exc).__name__}: {exc}"
+
+
+@functools.lru_cache(maxsize=None)
+def fa4_import_status() -> tuple[bool, str]:
+    """``(True, "flash-attn-4 <version>")`` when ``flash_attn.cute`` and our subclass
+    (:mod:`fusion_pass.kernels.fa4.sm90_kernel`) import, else ``(False, why)``. Cached."""
+    try:
+        import flash_attn.cute  # noqa: F401
+
+        from fusion_pass.kernels.fa4 import sm90_kernel  # noqa: F401  (defines the subclass)
+    except Exception as exc:  # a broken install must not break the caller: report it
+        return False, _import_error_message(exc)
+    try:
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown version"
+    note = "" if version == FA4_VERSION else f", not the pinned {FA4_VERSION}: untested"
+    return True, f"flash-attn-4 {version}{note}"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def fa4_sm90_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
+    """Whether these FA4 SM90 kernels run a layer of these dims on ``device``: ``(ok, why)``.
+
+    Checks, in order: FA4 and our subclass import; a CUDA device of compute capability 9.x;
+    a bf16/fp16 dtype; ``(D, Dv)`` in :data:`SUPPORTED_HEAD_DIMS`; ``H*Dv/2 % 8 == 0``.
+    """
+    ok, why = fa4_import_status()
+    if not ok:
+        return False, why
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"fa4 runs on CUDA devices only, got {device}"
+    capability = _capability(device)
+    if capability is None:
+        return False, "fa4: no CUDA device"
+    if capability[0] != 9:
+        return False, f"fa4's SM90 kernel needs an SM90 GPU (H100/H200), {device} is sm_{capability[0]}{capability[1]}"
+    if dtype not in HALF_DTYPES:
+        return False, f"fa4 supports torch.float16 and torch.bfloat16 queries, got {dtype}"
+    if (head_dim, head_dim_v) not in SUPPORTED_HEAD_DIMS:
+        return False, (
+            f"fa4's SM90 kernel supports head dims (D, Dv) in {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, "
+            f"got ({head_dim}, {head_dim_v})"
+        )
+    if (num_heads * head_dim_v // 2) % 8:
+        return False, f"fa4's NVFP4 epilogue needs H*Dv/2 divisible by 8, got H={num_heads}, Dv={head_dim_v}"
+    return True, "ok"
+
+
+def _fa4_interface():
+    try:
+        from flash_attn.cute import interface
+    except Exception as exc:
+        raise RuntimeError(f"fa4: {_import_error_message(exc)}") from exc
+    return interface
+
+
+def _unused_o(q: Tensor, dv: int) -> Tensor:
+    """FA4's ``mO`` argument: a ``[T, H, Dv]`` view of ``q`` (FA4 builds a TMA descriptor over
+    it; our epilogue never stores through it, so nothing is allocated or written)."""
+    if q.shape[2] == dv:
+        return q
+    from flash_attn.cute.testing import is_fake_mode
+
+    if is_fake_mode():  # compile-only: slicing a fake CUDA tensor fails on a CPU-only torch
+        return torch.empty((q.shape[0], q.shape[1], dv), dtype=q.dtype, device=q.device)
+    return q[..., :dv]
+
+_lock = threading.Lock()
+_cache = None
+
+
+def _jit_cache():
+    global _cache
+    if _cache is None:
+        from flash_attn.cute.cache_utils import get_jit_cache
+
+        _cache = get_jit_cache("fusion_pass_fa4_sm90_nvfp4")
+    return _cache
+
+
+def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens, softmax_scale, causal,
+                         cu_seqlens_k=None):
+    """The compiled fused kernel for these tensors' static properties (compiling on a miss).
+
+    ``cu_seqlens_k`` (default ``cu_seqlens``) only shapes the compile arguments: the token
+    counts and the two offset tensors are run-time values, so one compilation serves both.
+
+    Works on real CUDA tensors and, for compile-only checks without a GPU, on fake
+    ``device="cuda"`` tensors under ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_90a``.
+    """
+    interface = _fa4_interface()
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+
+    from fusion_pass.kernels.fa4.sm90_kernel import FlashAttentionForwardSm90Nvfp4
+
+    d, dv = q.shape[2], v.shape[2]
+    qhead_per_kvhead = q.shape[1] // k.shape[1]
+    cfg = interface._tile_size_fwd_sm90(d, dv, causal, False)
+    mine = kernel_config(d, dv, causal)
+    theirs = (cfg.m_block_size, cfg.n_block_size, cfg.mma_pv_is_rs, cfg.intra_wg_overlap)
+    if mine != theirs:
+        raise RuntimeError(
+            f"fa4: the installed FA4 picks tiles {theirs} for head dims ({d}, {dv}), this kernel expects {mine}; "
+            f"it was written against flash-attn-4=={FA4_VERSION} (docs/fa4.md)"
+        )
+    dtype = interface.torch2cute_dtype_map[q.dtype]
+    key = (KERNEL_VERSION, dtype, d, dv, qhead_per_kvhead, causal) + theirs
+    cache = _jit_cache()
+    with _lock:
+        if key not in cache:
+            kernel = FlashAttentionForwardSm90Nvfp4(
+                dtype,
+                d,
+                dv,
+                qhead_per_kvhead,
+                is_causal=causal,
+                is_local=False,
+                pack_gqa=False,
+                tile_m=cfg.m_block_size,
+                tile_n=cfg.n_block_size,
+                num_stages=2,
+                num_threads=384,
+                Q_in_regs=False,
+                intra_wg_overlap=cfg.intra_wg_overlap,
+                mma_pv_is_rs=cfg.mma_pv_is_rs,
+            )
+            if kernel.tile_hdimv != dv:  # the epilogue assumes Dv fills the tile (no hdim predication)
+                raise RuntimeError(f"fa4: unexpected FA4 tile for Dv={dv}: tile_hdimv={kernel.tile_hdimv}")
+            cu = to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0)
+            cu_k = cu if cu_seqlens_k is None else to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0)
+            with warnings.catch_warnings():
+                # FA4's __call__ is traced inside ours; the DSL warns that the AuxData holding our three
+                # tensors is not a JitArgument of that inner call. The tensors are arguments of ours.
+                warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted")
+                cache[key] = cute.compile(
+                    kernel,
+                    to_cute_tensor(q),
+                    to_cute_tensor(k),
+                    to_cute_tensor(v),
+                    to_cute_tensor(_unused_o(q, dv)),
+                    to_cute_tensor(output),
+                    to_cute_tensor(scale_bytes, leading_dim=0),
+                    to_cute_tensor(output_scale, assumed_align=4, leading_dim=0),
+                    softmax_scale,
+                    cu,
+                    cu_k,
+                    cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+                    options=interface._compile_options(),
+                )
+        return cache[key]
+
+
+def fa4_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_k: int | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """FA4's varlen forward: ``[T, H, Dv]`` in q's dtype (and the log-sum-exp).
+
+    ``q [T, H, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]`` (bf16/fp16, ``(D, Dv)`` in
+    :data:`SUPPORTED_HEAD_DIMS`); ``cu_seqlens`` int32 ``[B+1]`` delimits the queries (and
+    output rows: sequence ``b`` at rows ``[c[b], c[b+1])``, which may start past row 0),
+    ``cu_seqlens_k`` (default ``cu_seqlens``; then ``Tk == T``) the keys/values; their values
+    are not checked. ``max_seqlen`` / ``max_seqlen_k`` bound the query / key lengths
+    (``max_seqlen_k`` defaults to ``max_seqlen`` without ``cu_seqlens_k``, to FA4's ``Tk``
+    with it). Causal masking is bottom-right aligned when ``Lk != Lq``: query ``i`` sees keys
+    ``j <= i + (Lk - Lq)`` (FA4 4.0.0b36 ``mask.py`` ``apply_mask``: column limit
+    ``row + 1 + seqlen_k - seqlen_q``; ``block_info.get_n_block_min_max`` likewise).
+    Runs with ``pack_gqa=False, num_splits=1``: the main loop of the fused kernel, so that
+    ``nvfp4.quantize(fa4_attention_varlen(...))`` and :func:`fa4_attention_nvfp4_varlen`
+    produce the same bytes.
+
+    Returns:
+        ``out``; with ``return_lse``, ``(out, lse)`` where ``lse`` float32 ``[T, H]`` is
+        ``ln sum_j exp(softmax_scale * q.k_j)`` over the visible keys: a transposed view of
+        FA4's ``[H, T]`` varlen LSE (strides ``(1, T)``, not contiguous; no copy). Rows
+        outside ``[cu_seqlens[0], cu_seqlens[B])`` of both are not written.
+    """
+    fn = "fa4_attention_varlen"
+    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
+    interface = _fa4_interface()
+    result = interface.flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_k=cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen if cu_seqlens_k is None else max_seqlen_k,
+        softmax_scale=float(softmax_scale),
+        causal=causal,
+        num_splits=1,
+        pack_gqa=False,
+        return_lse=return_lse,
+    )
+    out, lse = result if isinstance(result, tuple) else (result, None)
+    return (out, lse.t()) if return_lse else out
+
+
+def fa4_attention_nvfp4_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    softmax_scale: float,
+    causal: bool,
+    output: Tensor,
+    output_scale: Tensor,
+    output_block_scale: Tensor,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_k: int | None = None,
+) -> None:
+    """Attention written as NVFP4 by FA4's SM90 kernel with our epilogue, into the caller's buffers.
+
+    Args as :func:`fa4_attention_varlen` (``cu_seqlens_k`` / ``max_seqlen_k`` included), plus:
+        output: one-byte ``[T, H*Dv/2]`` (contiguous, 16-byte aligned; ``H*Dv/2 % 8 == 0``):
+            packed e2m1 codes, token ``t`` in row ``t``.
+        output_scale: float32 ``[1]`` on the device: the global scale (never read on the host).
+        output_block_scale: contiguous ``round_up(T,128) * round_up(H*Dv/16,4)`` bytes (any
+            one-byte or int32 view): the e4m3 block scales, 128x4 swizzled.
+
+    The kernel writes the bytes of ``output`` and the scale entries of the rows of
+    ``[cu_seqlens[0], cu_seqlens[B])`` (every row when they span ``0 .. T``; the epilogue
+    stores at ``seqlen.offset_q + row``, the query's global row). The scale buffer's padding
+    entries (rows ``T .. round_up(T,128)-1`` inside the last 128-row band, and columns
+    ``H*Dv/16 .. round_up(H*Dv/16,4)-1`` of every row) are zeroed before the launch with a
+    few strided fills; no other byte is touched, so rows outside the sequences keep theirs.
+    ``max_seqlen_k`` is accepted for :func:`fa4_attention_varlen`'s signature: the fused
+    kernel reads key lengths from ``cu_seqlens_k`` alone.
+    """
+    fn = "fa4_attention_nvfp4_varlen"
+    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
+    check_nvfp4_buffers(fn, q, v, output, output_scale, output_block_scale)
+    t = q.shape[0]
+    scale_bytes = output_block_scale.view(torch.uint8).view(-1) if output_block_scale.element_size() == 1 \
+        else output_block_scale.view(-1).view(torch.uint8)
+    packed = output.view(torch.uint8).view(t, -1)
+    if t == 0:
+        return
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    compiled = compile_nvfp4_kernel(
+        q, k, v, packed, output_scale, scale_bytes, cu_seqlens, float(softmax_scale), causal, cu_k
+    )
+    from flash_attn.cute.testing import is_fake_mode
+
+    if is_fake_mode():  # compile-only check
+        return
+    zero_nvfp4_scale_padding(scale_bytes, t, q.shape[1] * v.shape[2])
+    compiled(q, k, v, _unused_o(q, v.shape[2]), packed, scale_bytes, output_scale, float(softmax_scale), cu_seqlens, cu_k)

@@ -1,0 +1,263 @@
+"""FlashAttention-4's SM90 forward with an NVFP4 epilogue (CuTe DSL; needs FA4).
+
+Imported only by :mod:`fusion_pass.kernels.fa4.sm90` when the ``fa4`` backend
+runs or compiles: this module imports ``flash_attn.cute`` and ``cutlass`` at
+its top (the CuTe DSL rewrites ``@cute.jit`` functions from their source, so
+they must be module-level definitions; keeping them here lets ``fa4_sm90``
+import without FA4).
+
+:class:`FlashAttentionForwardSm90Nvfp4` subclasses
+``flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90`` (flash-attn-4
+4.0.0b36, nvidia-cutlass-dsl 4.8.1; pinned in ``pyproject.toml``). The main loop
+(TMA loads of Q/K/V, the wgmma QK^T and PV products, online softmax, causal
+masking, the varlen tile scheduler) is FA4's, unchanged. It overrides three
+methods:
+
+``__call__`` (host, ``@cute.jit``)
+    A signature of our own: ``(mQ, mK, mV, mO, mOq, mSF, mGS, softmax_scale,
+    mCuSeqlensQ, mCuSeqlensK, stream)``. It calls FA4's ``__call__`` with the
+    three NVFP4 tensors packed into FA4's ``AuxData`` argument, because
+    ``AuxData`` is the one argument that FA4 forwards, unchanged, from the host
+    function through ``kernel`` into ``mma``. A tensor stored on ``self`` in the
+    host function cannot be used inside the kernel (the DSL rejects a value
+    defined outside the kernel region), so this is the only way in without
+    restating ``kernel``'s 36-parameter signature.
+``mma`` (trace time only, not jitted)
+    FA4's ``epilogue`` does not receive ``aux_data``; ``mma`` does and calls
+    ``epilogue``. The override binds ``mma``'s arguments, stashes
+    ``aux_data.tensors`` on ``self`` and calls FA4's ``mma``. It runs while the
+    kernel body is being traced, so the stashed values are kernel parameters of
+    the region that ``epilogue`` is traced in. Three lines.
+``epilogue`` (device, ``@cute.jit``)
+    Replaces FA4's bf16/fp16 store. Its first half is FA4's own: the fp32
+    accumulator (already divided by the softmax row sum) is rounded to the
+    query dtype and written to shared memory ``sO`` through FA4's stmatrix
+    tiled copy. FA4's TMA store of ``sO`` to ``mO`` is *not* issued; instead
+    each epilogue thread reads 16 consecutive elements of one row of ``sO``
+    (one NVFP4 block of one head), quantizes them and writes 8 packed bytes
+    and one scale byte to global memory. Because the values quantized are
+    exactly the bf16/fp16 values FA4 would have stored, the output bytes equal
+    ``nvfp4.quantize(FA4's own output)`` bit for bit.
+
+Tensors (T = total tokens of the varlen batch, H query heads, Dv = v head dim):
+
+* ``mQ`` ``[T, H, D]``, ``mK`` ``[T, Hkv, D]``, ``mV`` ``[T, Hkv, Dv]``: bf16 or fp16, unit stride along the head dim.
+* ``mO``: any ``[T, H, Dv]`` tensor of the query dtype with 16-byte aligned strides. FA4's host code builds
+  a TMA descriptor over it; nothing reads or writes it (the caller passes a view of ``q``).
+* ``mOq``: uint8 ``[T, H*Dv/2]``, row-major; token ``t``, element ``h*Dv + d``; two e2m1 codes per byte,
+  the even element in the low nibble. Written as one 8-byte store per block (needs ``H*Dv/2 % 8 == 0``).
+* ``mSF``: uint8, flat, the ``[round_up(T,128), round_up(H*Dv/16,4)]`` e4m3 block scales in the 128x4
+  swizzled layout (``NVFP4.md``). Only entries of rows ``< T`` are written.
+* ``mGS``: float32 ``[1]``, the global scale, read on the device.
+* ``mCuSeqlensQ``, ``mCuSeqlensK``: int32 ``[B+1]`` (the same tensor when keys are the queries' own tokens; keys of context + new tokens otherwise, causal aligned to the end).
+
+Requirements checked by the entry point before compiling: ``pack_gqa`` is False
+(with it a tile's rows are (token, head) pairs), ``Dv`` equals the kernel's
+``tile_hdimv`` and ``num_epilogue_threads % (Dv/16) == 0`` (every thread owns
+whole blocks of one row per pass).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Uint8, Uint32, Uint64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from flash_attn.cute import utils as fa_utils
+from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+from flash_attn.cute.named_barrier import NamedBarrierFwd
+from flash_attn.cute.utils import AuxData
+
+__all__ = ["FlashAttentionForwardSm90Nvfp4"]
+
+
+# ---------------------------------------------------------------------------
+# scalar NVFP4 arithmetic (the same steps as nvfp4_tl.py; SM90 has no cvt.e2m1)
+# ---------------------------------------------------------------------------
+
+
+@dsl_user_op
+def _f32_bits(x, *, loc=None, ip=None):
+    return Uint32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _bits_f32(x, *, loc=None, ip=None):
+    return Float32(llvm.bitcast(T.f32(), Uint32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def _e4m3_round(v: Float32) -> Float32:
+    """``v`` in ``[0, 448]`` -> the nearest float8_e4m3fn value (ties to even), as float32."""
+    b = _f32_bits(v)
+    # normal range: keep 3 mantissa bits, round to nearest even on the 20 dropped bits
+    normal = _bits_f32((b + Uint32(0x7FFFF) + ((b >> 20) & Uint32(1))) & Uint32(0xFFF00000))
+    # subnormal range (< 2^-6): multiples of 2^-9, rounded by the float32 adder
+    sub = (v + Float32(16384.0)) - Float32(16384.0)
+    res = normal
+    if v < Float32(0.015625):
+        res = sub
+    return res
+
+
+@cute.jit
+def _e4m3_byte(sf: Float32) -> Uint32:
+    """An exact float8_e4m3fn value in ``[0, 448]`` -> its byte."""
+    b = _f32_bits(sf)
+    res = (((b >> 23) - Uint32(120)) << 3) | ((b >> 20) & Uint32(7))
+    if sf < Float32(0.015625):
+        res = Uint32(sf * Float32(512.0))
+    return res
+
+
+@cute.jit
+def _e2m1_code(q: Float32) -> Uint32:
+    """float32 -> e2m1 code (sign bit 3), round to nearest even, saturating at 6."""
+    b = _f32_bits(q)
+    a = _bits_f32(b & Uint32(0x7FFFFFFF))
+    if a > Float32(6.0):
+        a = Float32(6.0)
+    ab = _f32_bits(a)
+    # [1, 6]: keep one mantissa bit (RNE on the 22 dropped bits); codes 2..7 from exponent|mantissa
+    idx = ((ab + Uint32(0x1FFFFF) + ((ab >> 22) & Uint32(1))) >> 22) - Uint32(252)
+    if a < Float32(1.0):
+        # [0, 1): multiples of 0.5, rounded by the float32 adder
+        idx = Uint32(((a + Float32(4194304.0)) - Float32(4194304.0)) * Float32(2.0))
+    return idx | ((b >> 31) << 3)
+
+
+# ---------------------------------------------------------------------------
+# the subclass
+# ---------------------------------------------------------------------------
+
+
+class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
+    """FA4's SM90 forward whose epilogue writes NVFP4 (module docstring)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mOq: cute.Tensor,
+        mSF: cute.Tensor,
+        mGS: cute.Tensor,
+        softmax_scale: Float32,
+        mCuSeqlensQ: Optional[cute.Tensor] = None,
+        mCuSeqlensK: Optional[cute.Tensor] = None,
+        stream: cuda.CUstream = None,  # last: TVM-FFI fills it with the caller's current stream
+    ):
+        super().__call__(
+            mQ,
+            mK,
+            mV,
+            mO,
+            None,  # mLSE
+            softmax_scale,
+            mCuSeqlensQ,
+            mCuSeqlensK,
+            aux_data=AuxData((mOq, mSF, mGS), None),
+            stream=stream,
+        )
+
+    def mma(self, *args, **kwargs):
+        # Trace time, inside the kernel region: aux_data's tensors are kernel parameters here.
+        bound = inspect.signature(FlashAttentionForwardSm90.mma).bind(self, *args, **kwargs)
+        self._nvfp4_out = bound.arguments["aux_data"].tensors
+        return super().mma(*args, **kwargs)
+
+    @cute.jit
+    def epilogue(
+        self,
+        acc_O: cute.Tensor,
+        lse: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: Optional[cute.Tensor],
+        sO: cute.Tensor,
+        seqlen,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tma_atom_O: Optional[cute.CopyAtom],
+        tiled_mma: cute.TiledMma,
+        tidx: cutlass.Int32,
+        m_block: cutlass.Int32,
+        head_idx: cutlass.Int32,
+        batch_idx: cutlass.Int32,
+    ):
+        assert mLSE is None, "the NVFP4 epilogue writes no LSE"
+        assert not self.pack_gqa, "the NVFP4 epilogue needs pack_gqa=False (one head per tile)"
+        mOq, mSF, mGS = self._nvfp4_out
+
+        # 1) FA4's own first half: fp32 acc -> query dtype -> sO (stmatrix). The first barrier
+        #    makes sure every warpgroup has finished reading sQ/V (sO aliases sQ).
+        rO = cute.make_fragment_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads)
+        smem_atom = fa_utils.get_smem_store_atom(self.arch.major * 10 + self.arch.minor, self.dtype)
+        smem_thr = cute.make_tiled_copy_C(smem_atom, tiled_mma).get_slice(tidx)
+        cute.copy(smem_atom, smem_thr.retile(rO), smem_thr.partition_D(sO))
+        # 2) every epilogue thread may now read any element of sO
+        cute.arch.barrier(barrier_id=int(NamedBarrierFwd.Epilogue), number_of_threads=self.num_epilogue_threads)
+
+        # 3) thread t reads 16 consecutive elements (block t % bpr) of rows t // bpr + k * rows_per_pass:
+        #    two 128-bit shared loads through sO's swizzle.
+        blocks_per_row = self.tile_hdimv // 16
+        thr_layout = cute.make_ordered_layout(
+            (self.num_epilogue_threads // blocks_per_row, blocks_per_row), order=(1, 0)
+        )
+        load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        tiled_load = cute.make_tiled_copy_tv(load_atom, thr_layout, cute.make_layout((1, 16)))
+        thr_load = tiled_load.get_slice(tidx)
+        tOsO = thr_load.partition_S(sO)
+        tOcO = thr_load.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+
+        gs = mGS[0]
+        mOq64 = cute.recast_tensor(mOq, Uint64)  # [T, H*Dv/16]: one 8-byte word per block
+        k_tiles = (mOq.shape[1] // 8 + 3) // 4  # round_up(H*Dv/16, 4) / 4
+        rows_left = seqlen.seqlen_q - m_block * self.tile_m
+        for i in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            r_loc = tOcO[0, i, 0][0]
+            c_loc = tOcO[0, i, 0][1]
+            # rows past this sequence's end belong to the next sequence's CTA (or are padding)
+            if r_loc < rows_left:
+                x = cute.make_fragment_like(tOrO[None, i, None], Float32)
+                x.store(tOrO[None, i, None].load().to(Float32))
+                amax_bits = Uint32(0)
+                for j in cutlass.range_constexpr(16):
+                    amax_bits = max(amax_bits, _f32_bits(x[j]) & Uint32(0x7FFFFFFF))
+                is_nan = amax_bits > Uint32(0x7F800000)
+                amax = _bits_f32(amax_bits)
+                if is_nan:
+                    amax = Float32(0.0)
+                sf = _e4m3_round(min(gs * amax / Float32(6.0), Float32(448.0)))
+                inv = Float32(0.0)
+                if sf != Float32(0.0):
+                    inv = gs / sf
+                lo = Uint32(0)
+                hi = Uint32(0)
+                for j in cutlass.range_constexpr(8):
+                    lo = lo | (_e2m1_code(x[j] * inv) << (4 * j))
+                    hi = hi | (_e2m1_code(x[j + 8] * inv) << (4 * j))
+                sf_byte = _e4m3_byte(sf)
+                if is_nan:  # docs/nvfp4.md "NaN and infinity": codes 0, scale byte 0x7F
+                    lo = Uint32(0)
+                    hi = Uint32(0)
+                    sf_byte = Uint32(0x7F)
+                row = seqlen.offset_q + m_block * self.tile_m + r_loc
+                col_block = head_idx * blocks_per_row + c_loc // 16
+                mOq64[row, col_block] = Uint64(lo) | (Uint64(hi) << 32)
+                offset = (
+                    ((row // 128) * k_tiles + col_block // 4) * 512
+                    + (row % 32) * 16
+                    + ((row % 128) // 32) * 4
+                    + col_block % 4
+                )
+                mSF[offset] = Uint8(sf_byte)

@@ -1,0 +1,144 @@
+"""Dense float32 attention returning the log-sum-exp, and the LSE merge: the attention oracle.
+
+The two primitives both runtimes are built from, and the ``reference`` body of
+the kernels' entry points (it sits below both, as :mod:`fusion_pass.nvfp4`
+does). Everything is computed in float32 whatever the input dtype, on the
+inputs' device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusion_pass.nvfp4.reference import write_rows
+
+__all__ = ["dense_attention", "merge_attention", "merge_nvfp4", "varlen_attention"]
+
+
+def _check_heads(name: str, heads: int, num_heads: int) -> None:
+    if heads < 1 or num_heads % heads != 0:
+        raise ValueError(f"{name} has {heads} heads, which does not divide the {num_heads} query heads")
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool,
+    q_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` over ``k``/``v``, with its log-sum-exp.
+
+    Args:
+        q: ``[Tq, H, Dqk]``.
+        k: ``[Tk, Hk, Dqk]`` with ``H % Hk == 0`` (``Hk`` is ``H`` or the
+            number of kv heads; query head ``h`` uses key head ``h // (H // Hk)``).
+        v: ``[Tk, Hv, Dv]`` with ``H % Hv == 0``, grouped the same way.
+        scale: multiplies ``q @ k^T`` before the softmax.
+        causal: if true, query ``i`` (absolute position ``q_offset + i``; keys
+            are at positions ``0 .. Tk-1``) sees only keys ``j <= q_offset + i``.
+            ``q_offset`` is ignored when ``causal`` is false.
+
+    Returns:
+        ``(out, lse)``: float32 ``[Tq, H, Dv]`` and float32 ``[Tq, H]`` where
+        ``lse = logsumexp_j(scale * q.k_j)`` over visible keys.  A row with no
+        visible key gets ``out = 0`` and ``lse = -inf`` (never NaN).
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be 3-D [T, heads, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    tq, h, d = q.shape
+    tk, hk, dk = k.shape
+    hv = v.shape[1]
+    if dk != d:
+        raise ValueError(f"k head dim {dk} != q head dim {d}")
+    if v.shape[0] != tk:
+        raise ValueError(f"k has {tk} tokens but v has {v.shape[0]}")
+    _check_heads("k", hk, h)
+    _check_heads("v", hv, h)
+
+    qf, kf, vf = q.float(), k.float(), v.float()
+    # Group query heads by the key head they share: [Tq, Hk, H//Hk, D].
+    scores = torch.einsum("qkgd,tkd->kgqt", qf.reshape(tq, hk, h // hk, d), kf)
+    scores = scores.reshape(h, tq, tk) * scale
+    if causal:
+        qpos = torch.arange(tq, device=q.device).unsqueeze(1) + q_offset
+        kpos = torch.arange(tk, device=q.device).unsqueeze(0)
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+
+    lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]; -inf for rows with no visible key
+    # exp(-inf - 0) = 0 for such rows instead of exp(-inf - -inf) = NaN.
+    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.einsum("vgqt,tvd->qvgd", probs.reshape(hv, h // hv, tq, tk), vf)
+    return out.reshape(tq, h, v.shape[2]), lse.transpose(0, 1).contiguous()
+
+
+def merge_attention(
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine attention over two disjoint key sets into attention over their union.
+
+    Args:
+        out_a, out_b: ``[T, H, Dv]`` normalised outputs of the two parts.
+        lse_a, lse_b: ``[T, H]`` their log-sum-exps (``-inf`` = no key seen).
+
+    Returns:
+        ``(out, lse)`` float32 ``[T, H, Dv]``, ``[T, H]``.  A part with
+        ``lse = -inf`` contributes nothing, whatever its ``out`` holds (NaN
+        included); rows where both parts are empty are ``out = 0``,
+        ``lse = -inf``.
+    """
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:2] != lse_a.shape:
+        raise ValueError(
+            f"merge_attention: shapes out_a {tuple(out_a.shape)}, lse_a {tuple(lse_a.shape)}, "
+            f"out_b {tuple(out_b.shape)}, lse_b {tuple(lse_b.shape)} do not match"
+        )
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isneginf(m), 0.0, m)
+    w_a = torch.exp(lse_a - m)
+    w_b = torch.exp(lse_b - m)
+    total = w_a + w_b
+    lse = m + torch.log(total)
+    # Both weights are 0 only where both parts saw nothing; divide by 1 there.
+    denom = torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    part_a = torch.where(torch.isneginf(lse_a).unsqueeze(-1), 0.0, out_a.float())
+    part_b = torch.where(torch.isneginf(lse_b).unsqueeze(-1), 0.0, out_b.float())
+    out = (part_a * w_a.unsqueeze(-1) + part_b * w_b.unsqueeze(-1)) / denom
+    return out, lse
+
+
+def varlen_attention(q, k, v, cu_seqlens, causal, softmax_scale, cu_seqlens_k) -> tuple[Tensor, Tensor]:
+    """float32 ``(out [T, H, Dv], lse [T, H])`` of attention per sequence: sequence ``b``'s queries are rows
+    ``[c[b], c[b+1])`` of ``q`` (rows outside every sequence: ``out`` 0, ``lse`` -inf), its keys and values rows
+    ``[ck[b], ck[b+1])`` of ``k`` / ``v`` with ``ck = cu_seqlens_k`` (default ``cu_seqlens``); causal attention is
+    aligned bottom-right (:func:`dense_attention` with ``q_offset = Lk - Lq``). Reads ``cu_seqlens`` back."""
+    starts = cu_seqlens.tolist()
+    starts_k = starts if cu_seqlens_k is None else cu_seqlens_k.tolist()
+    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]), dtype=torch.float32)
+    lse = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
+    for a, b, ka, kb in zip(starts[:-1], starts[1:], starts_k[:-1], starts_k[1:]):
+        if b > a:
+            out[a:b], lse[a:b] = dense_attention(
+                q[a:b], k[ka:kb], v[ka:kb], scale=softmax_scale, causal=causal, q_offset=(kb - ka) - (b - a)
+            )
+    return out, lse
+
+
+
+def merge_nvfp4(out_a, lse_a, out_b, lse_b, global_scale, packed, scales, row_start) -> None:
+    """float32 :func:`merge_attention` (empty parts ignored),
+    then :func:`fusion_pass.nvfp4.quantize_rows_into`'s body, into rows ``[row_start, row_start + M)``."""
+    m, h, dv = out_a.shape
+    if m == 0 or h * dv == 0:
+        return
+    merged, _ = merge_attention(out_a, lse_a, out_b, lse_b)
+    write_rows(merged.reshape(m, h * dv), global_scale, packed, scales, row_start)
+

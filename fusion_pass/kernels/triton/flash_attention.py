@@ -1,0 +1,393 @@
+"""Triton flash-attention forward (varlen, causal) with two epilogues: half-precision or NVFP4.
+
+One kernel source serves both outputs; the ``EPILOGUE`` constexpr picks
+:func:`_store_half` (``out [T, H, Dv]`` in the query dtype, the unfused path
+and the guard's fallback; float32 for partial results, optionally with the
+log-sum-exp) or :func:`_store_nvfp4` (packed e2m1 codes ``[T, H*Dv/2]`` and
+e4m3 block scales at the tokens' global rows in the 128x4 swizzled layout,
+quantized from the float32 accumulator with the global scale as input: the
+fused path, no half-precision round trip).
+
+Layouts: ``q [T, H, Dqk]``, ``k [Tk, Hkv, Dqk]``, ``v [Tk, Hkv, Dv]`` (token-major,
+unit stride along the head dim). Query sequences are packed along ``T`` and
+delimited by ``cu_seqlens`` int32 ``[B + 1]``; their outputs go to the same
+global rows. Key/value sequences are delimited by ``cu_seqlens_k`` (default
+``cu_seqlens``: a sequence's keys are its own tokens). Query head ``h`` reads kv
+head ``h // (H / Hkv)``. A sequence with ``Lq`` queries and ``Lk`` keys is
+causal aligned to the end of the keys (bottom-right, FlashAttention's
+convention): query ``i`` sees keys ``j <= i + (Lk - Lq)``, i.e. a chunk of new
+tokens after ``Lk - Lq`` cached context tokens.
+
+The query/key head dim need not be a power of two: it is split into a
+power-of-two part and a tail (MLA prefill's 192 = 128 + 64), each its own dot.
+
+:func:`flash_attention` and :func:`flash_attention_nvfp4` are unvalidated
+launchers; the checked entry points are in :mod:`fusion_pass.kernels`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fusion_pass import nvfp4
+from fusion_pass.kernels.checks import zero_nvfp4_scale_padding
+from fusion_pass.kernels.triton.nvfp4_math import quantize_pairs, swizzled_scale_offset
+
+__all__ = ["flash_attention", "flash_attention_nvfp4", "attention_config", "split_head_dim"]
+
+EPILOGUE_HALF = 0
+EPILOGUE_NVFP4 = 1
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)  # the kernel's log-sum-exp is base 2; its output is natural
+
+
+@triton.jit
+def _load_tokens(ptr, stride_t, tokens, dims, token_limit, dim_limit, MASK_TOKENS: tl.constexpr, MASK_DIMS: tl.constexpr):
+    """Tile ``[len(tokens), len(dims)]`` of a token-major tensor; masked reads give 0."""
+    offsets = tokens[:, None].to(tl.int64) * stride_t + dims[None, :]
+    if MASK_TOKENS or MASK_DIMS:
+        mask = (tokens[:, None] < token_limit) & (dims[None, :] < dim_limit)
+        return tl.load(ptr + offsets, mask=mask, other=0.0)
+    return tl.load(ptr + offsets)
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` (float32 ``acc``). ``UPCAST`` feeds the operands as float32: only for
+    Triton's interpreter, whose dot multiplies bfloat16 tensors' raw bits (Triton 3.6)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _attend_block(
+    acc, row_max, row_sum, q_main, q_tail,
+    k_ptr, v_ptr, stride_kt, stride_vt,
+    start_n, rows, seqlen_k, diag, qk_scale,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D_MAIN: tl.constexpr, BLOCK_D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Fold keys ``[start_n, start_n + BLOCK_N)`` into the online softmax.
+
+    ``rows`` are query positions within the sequence, key positions run
+    ``0 .. seqlen_k - 1`` and ``diag = Lk - Lq``. ``MASKED`` blocks (those on the
+    diagonal and the sequence's last block) mask keys past the sequence and,
+    causally, keys ``j > row + diag``; unmasked ones are wholly visible to every
+    query row of the tile.
+    """
+    keys = start_n + tl.arange(0, BLOCK_N)
+    d_main = tl.arange(0, BLOCK_D_MAIN)
+    k_main = _load_tokens(k_ptr, stride_kt, keys, d_main, seqlen_k, HEAD_DIM_QK, MASKED, BLOCK_D_MAIN > HEAD_DIM_QK)
+    scores = _dot(q_main, tl.trans(k_main), tl.zeros((q_main.shape[0], BLOCK_N), tl.float32), UPCAST)
+    if BLOCK_D_TAIL > 0:
+        d_tail = BLOCK_D_MAIN + tl.arange(0, BLOCK_D_TAIL)
+        k_tail = _load_tokens(
+            k_ptr, stride_kt, keys, d_tail, seqlen_k, HEAD_DIM_QK, MASKED, BLOCK_D_MAIN + BLOCK_D_TAIL > HEAD_DIM_QK
+        )
+        scores = _dot(q_tail, tl.trans(k_tail), scores, UPCAST)
+    scores = scores * qk_scale  # log2 domain
+    if MASKED:
+        visible = keys[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None] + diag)
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    # Rows with no visible key yet keep max -inf; shift by 0 there instead of -inf.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.math.exp2(scores - shift[:, None])
+    alpha = tl.math.exp2(row_max - shift)
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    d_v = tl.arange(0, BLOCK_DV)
+    v = _load_tokens(v_ptr, stride_vt, keys, d_v, seqlen_k, HEAD_DIM_V, MASKED, BLOCK_DV > HEAD_DIM_V)
+    acc = _dot(p.to(v.dtype), v, acc, UPCAST)
+    return acc, new_max, row_sum
+
+
+@triton.jit
+def _store_half(out, out_ptr, stride_ot, stride_oh, tokens, rows_valid, head, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Half-precision epilogue: ``out [BLOCK_M, BLOCK_DV]`` float32 -> ``Out[token, head, :]``
+    (converted to ``Out``'s dtype: the query dtype, or float32)."""
+    d_v = tl.arange(0, BLOCK_DV)
+    offsets = tokens[:, None].to(tl.int64) * stride_ot + head * stride_oh + d_v[None, :]
+    mask = rows_valid[:, None] & (d_v[None, :] < HEAD_DIM_V)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_nvfp4(
+    out, packed_ptr, scales_ptr, global_scale_ptr, tokens, rows_valid, head, packed_row_bytes, scale_col_tiles,
+    HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """NVFP4 epilogue: quantize ``out [BLOCK_M, BLOCK_DV]`` float32 per 16-element block.
+
+    Row ``t`` (a global token index), head ``h``: packed bytes at
+    ``packed[t, h*Dv/2 : (h+1)*Dv/2]``, block scales at the swizzled offsets of
+    (row ``t``, block columns ``h*Dv/16 ...``). NaN / ±Inf in ``out`` (from NaN or
+    infinite inputs) are written per docs/nvfp4.md "NaN and infinity" by the shared
+    :func:`~fusion_pass.kernels.triton.nvfp4_math.quantize_pairs`: NaN blocks as scale byte
+    0x7F and codes 0, ±Inf as code 0x7 / 0xF under a saturated (448) scale.
+    """
+    BLOCKS: tl.constexpr = BLOCK_DV // 16
+    even, odd = tl.split(tl.reshape(out, (BLOCK_M, BLOCK_DV // 2, 2)))
+    packed, sf = quantize_pairs(
+        tl.reshape(even, (BLOCK_M * BLOCKS, 8)), tl.reshape(odd, (BLOCK_M * BLOCKS, 8)), tl.load(global_scale_ptr)
+    )
+    blocks = tl.arange(0, BLOCK_M * BLOCKS)
+    block_tokens = tl.reshape(tl.broadcast_to(tokens[:, None], (BLOCK_M, BLOCKS)), (BLOCK_M * BLOCKS,)).to(tl.int64)
+    block_valid = tl.reshape(tl.broadcast_to(rows_valid[:, None], (BLOCK_M, BLOCKS)), (BLOCK_M * BLOCKS,))
+    block_valid = block_valid & (blocks % BLOCKS < HEAD_DIM_V // 16)
+    head_blocks = blocks % BLOCKS
+    block_bytes = block_tokens * packed_row_bytes + head * (HEAD_DIM_V // 2) + head_blocks * 8
+    tl.store(packed_ptr + block_bytes[:, None] + tl.arange(0, 8)[None, :], packed, mask=block_valid[:, None])
+    scale_offsets = swizzled_scale_offset(block_tokens, head * (HEAD_DIM_V // 16) + head_blocks, scale_col_tiles)
+    tl.store(scales_ptr + scale_offsets, sf, mask=block_valid)
+
+
+@triton.jit
+def _store_lse(row_max, row_sum, lse_ptr, stride_lt, stride_lh, tokens, rows_valid, head):
+    """``Lse[token, head] = ln(sum_j exp(scale * q.k_j))`` from the log2-domain running max and
+    sum (``-inf`` where no key was visible)."""
+    empty = row_sum == 0.0
+    lse = tl.where(empty, float("-inf"), (row_max + tl.math.log2(tl.where(empty, 1.0, row_sum))) * LN2)
+    tl.store(lse_ptr + tokens.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=rows_valid)
+
+
+@triton.jit
+def _flash_attention_kernel(
+    q_ptr, k_ptr, v_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    out_ptr, stride_ot, stride_oh,  # half epilogue
+    lse_ptr, stride_lt, stride_lh,  # half epilogue, STORE_LSE
+    packed_ptr, scales_ptr, global_scale_ptr, packed_row_bytes, scale_col_tiles,  # NVFP4 epilogue
+    qk_scale, kv_group,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D_MAIN: tl.constexpr, BLOCK_D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, EPILOGUE: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Program ``(m, h, b)``: query rows ``[m*BLOCK_M, +BLOCK_M)`` of sequence ``b``, head ``h``.
+
+    Causal grids run the query tiles last-first (the longest key ranges start
+    first, which balances the tail of the launch).
+    """
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    if CAUSAL:
+        m_block = tl.num_programs(0) - 1 - m_block
+    seq_start = tl.load(cu_seqlens_ptr + seq)
+    seqlen = tl.load(cu_seqlens_ptr + seq + 1) - seq_start
+    start_m = m_block * BLOCK_M
+    if start_m >= seqlen:
+        return
+    key_start = tl.load(cu_seqlens_k_ptr + seq)
+    seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - key_start
+    diag = seqlen_k - seqlen  # query i sees keys j <= i + diag (causal)
+    kv_head = head // kv_group
+
+    rows = start_m + tl.arange(0, BLOCK_M)  # positions within the sequence
+    rows_valid = rows < seqlen
+    tokens = seq_start + rows
+    q_base = q_ptr + seq_start.to(tl.int64) * stride_qt + head * stride_qh
+    k_base = k_ptr + key_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + key_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+
+    d_main = tl.arange(0, BLOCK_D_MAIN)
+    q_main = tl.load(
+        q_base + rows[:, None].to(tl.int64) * stride_qt + d_main[None, :],
+        mask=rows_valid[:, None] & (d_main[None, :] < HEAD_DIM_QK), other=0.0,
+    )
+    q_tail = q_main  # unused unless the head dim has a tail
+    if BLOCK_D_TAIL > 0:
+        d_tail = BLOCK_D_MAIN + tl.arange(0, BLOCK_D_TAIL)
+        q_tail = tl.load(
+            q_base + rows[:, None].to(tl.int64) * stride_qt + d_tail[None, :],
+            mask=rows_valid[:, None] & (d_tail[None, :] < HEAD_DIM_QK), other=0.0,
+        )
+
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+    # Keys [0, unmasked_end) are visible to every row of the tile; [unmasked_end, key_end)
+    # need masks; keys from key_end on are visible to no row of the tile.
+    if CAUSAL:
+        key_end = tl.minimum(start_m + BLOCK_M, seqlen) + diag
+        unmasked_end = ((start_m + diag + 1) // BLOCK_N) * BLOCK_N
+        unmasked_end = tl.maximum(unmasked_end, 0)
+    else:
+        key_end = seqlen_k
+        unmasked_end = (seqlen_k // BLOCK_N) * BLOCK_N
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        acc, row_max, row_sum = _attend_block(
+            acc, row_max, row_sum, q_main, q_tail, k_base, v_base, stride_kt, stride_vt,
+            start_n, rows, seqlen_k, diag, qk_scale,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=False, CAUSAL=CAUSAL, UPCAST=UPCAST,
+        )
+    for start_n in range(unmasked_end, key_end, BLOCK_N):
+        acc, row_max, row_sum = _attend_block(
+            acc, row_max, row_sum, q_main, q_tail, k_base, v_base, stride_kt, stride_vt,
+            start_n, rows, seqlen_k, diag, qk_scale,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=True, CAUSAL=CAUSAL, UPCAST=UPCAST,
+        )
+
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    if EPILOGUE == 0:  # EPILOGUE_HALF (module constants are plain ints for the launcher)
+        _store_half(out, out_ptr, stride_ot, stride_oh, tokens, rows_valid, head, HEAD_DIM_V, BLOCK_DV)
+        if STORE_LSE:
+            _store_lse(row_max, row_sum, lse_ptr, stride_lt, stride_lh, tokens, rows_valid, head)
+    else:
+        _store_nvfp4(
+            out, packed_ptr, scales_ptr, global_scale_ptr, tokens, rows_valid, head, packed_row_bytes,
+            scale_col_tiles, HEAD_DIM_V, BLOCK_M, BLOCK_DV,
+        )
+
+
+def split_head_dim(head_dim: int) -> tuple[int, int]:
+    """``(main, tail)`` power-of-two dot widths covering ``head_dim`` (tail 0 when none).
+
+    ``main`` is the largest power of two <= ``head_dim`` (at least 16); the tail
+    covers the rest, at least 16 wide (a dot's minimum), masked past ``head_dim``.
+    192 -> (128, 64); 128 -> (128, 0); 72 -> (64, 16).
+    """
+    main = max(16, 1 << (head_dim.bit_length() - 1))
+    rest = head_dim - main
+    tail = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
+    return main, tail
+
+
+LONG_SEQUENCE = 1024
+"""From this ``max_seqlen`` on, the CUDA configs use 128 x 128 tiles."""
+
+
+def attention_config(head_dim_qk: int, head_dim_v: int, device: torch.device, max_seqlen: int = 0) -> dict:
+    """Tile sizes and launch options for these head dims and sequence length on ``device``.
+
+    ``BLOCK_M`` must be a multiple of ``BLOCK_N`` (the causal loop splits at a
+    query tile's first row). Chosen with ``bench/tune.py`` on the H200, by the
+    NVFP4-epilogue time (docs/benchmarks.md): 64-row tiles win at 512 tokens per
+    sequence (more programs to fill 132 SMs), 128 x 128 tiles at 8192. The
+    interpreter (CPU tensors) gets small tiles so tests stay fast.
+    """
+    if device.type != "cuda":
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+    mla = head_dim_qk + head_dim_v > 256  # MLA prefill 192/128
+    if max_seqlen >= LONG_SEQUENCE:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2 if mla else 3}
+    if mla:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+
+
+def _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, epilogue, out, lse, packed, scales,
+            global_scale, config=None):
+    t, num_heads, head_dim_qk = q.shape
+    num_kv_heads, head_dim_v = v.shape[1], v.shape[2]
+    batch = cu_seqlens.shape[0] - 1
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim_qk)
+    d_main, d_tail = split_head_dim(head_dim_qk)
+    cfg = config or attention_config(head_dim_qk, head_dim_v, q.device, max_seqlen)
+    block_m = cfg["BLOCK_M"]
+    if block_m % cfg["BLOCK_N"] != 0:
+        raise ValueError(f"attention config: BLOCK_M={block_m} must be a multiple of BLOCK_N={cfg['BLOCK_N']}")
+    grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)
+    if t == 0 or batch == 0 or max_seqlen == 0:
+        return
+    if k.shape[0] == 0:  # no key anywhere: nothing is loaded, but an empty tensor is no pointer to pass
+        k = v = q
+    nvfp4_out = epilogue == EPILOGUE_NVFP4
+    half = out if not nvfp4_out else q  # placeholders keep the signature fixed
+    lse_buf = lse if lse is not None else q
+    _flash_attention_kernel[grid](
+        q, k, v, cu_seqlens, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        half, half.stride(0), half.stride(1),
+        lse_buf, lse_buf.stride(0), lse_buf.stride(1),
+        packed if nvfp4_out else q, scales if nvfp4_out else q, global_scale if nvfp4_out else q,
+        num_heads * head_dim_v // 2, nvfp4.round_up(num_heads * head_dim_v // 16, 4) // 4,
+        softmax_scale * LOG2E, num_heads // num_kv_heads,
+        HEAD_DIM_QK=head_dim_qk, HEAD_DIM_V=head_dim_v,
+        BLOCK_D_MAIN=d_main, BLOCK_D_TAIL=d_tail, BLOCK_DV=triton.next_power_of_2(head_dim_v),
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
+        CAUSAL=causal, EPILOGUE=epilogue, STORE_LSE=lse is not None, UPCAST=q.device.type != "cuda",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def flash_attention(
+    q, k, v, cu_seqlens, max_seqlen, *, causal=True, softmax_scale=None, out=None, config=None, cu_seqlens_k=None,
+    max_seqlen_k=None, lse=None,
+):
+    """Varlen flash attention, half-precision (or float32) output (arguments not validated).
+
+    Args:
+        q: ``[T, H, Dqk]``; k: ``[Tk, Hkv, Dqk]``; v: ``[Tk, Hkv, Dv]``; float16 or
+            bfloat16, unit stride along the last dim, ``H % Hkv == 0``.
+        cu_seqlens: int32 ``[B + 1]`` on the device, contiguous, non-decreasing, ``cB <= T``:
+            sequence ``b``'s queries (and output rows) are rows ``[c[b], c[b+1])``. Rows
+            outside ``[c0, cB)`` are not written.
+        max_seqlen: longest query sequence (sizes the grid).
+        causal: query ``i`` of a sequence of ``Lq`` queries and ``Lk`` keys sees keys
+            ``j <= i + (Lk - Lq)`` (bottom-right aligned); rows seeing no key get 0.
+        softmax_scale: default ``1 / sqrt(Dqk)``.
+        out: optional ``[T, H, Dv]`` buffer of q's dtype, or float32 (partial results
+            merged later); any strides with unit stride along ``Dv``.
+        config: tile/launch options overriding :func:`attention_config` (tuning).
+        cu_seqlens_k: int32 ``[B + 1]`` on the device, contiguous, non-decreasing,
+            ``ck[B] <= Tk``: sequence ``b``'s keys/values are rows ``[ck[b], ck[b+1])``
+            of ``k``/``v``. Default ``cu_seqlens`` (a sequence's keys are its own tokens).
+        max_seqlen_k: longest key sequence; accepted for FA4's signature, the kernel
+            reads key lengths from ``cu_seqlens_k`` and does not use it.
+        lse: optional float32 ``[T, H]`` buffer (any strides): element ``(t, h)``
+            receives ``ln sum_j exp(softmax_scale * q_t . k_j)`` over the visible
+            keys, ``-inf`` where there is none.
+
+    Returns:
+        ``out [T, H, Dv]`` (q's dtype unless given).
+    """
+    if out is None:
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, EPILOGUE_HALF, out, lse, None, None,
+            None, config)
+    return out
+
+
+def flash_attention_nvfp4(
+    q, k, v, cu_seqlens, max_seqlen, global_scale, *, causal=True, softmax_scale=None, packed=None, scales=None,
+    config=None, cu_seqlens_k=None, max_seqlen_k=None,
+):
+    """Varlen flash attention written as NVFP4 (arguments not validated).
+
+    Arguments as :func:`flash_attention` (``cu_seqlens_k`` / ``max_seqlen_k``
+    included, no ``out`` / ``lse``), plus ``global_scale`` (float32, one
+    element, on the device) and optional output buffers: ``packed`` uint8
+    ``T * H*Dv/2`` bytes, ``scales`` ``round_up(T,128) * round_up(H*Dv/16,4)``
+    bytes (float8_e4m3fn, uint8 or int32 as vLLM allocates it).
+
+    Returns:
+        ``(packed uint8 [T, H*Dv/2], scales float8_e4m3fn [round_up(T,128),
+        round_up(H*Dv/16,4)])``. The kernel writes the packed bytes and the
+        scales of rows ``[cu_seqlens[0], cu_seqlens[B])`` (every row when they
+        span ``0 .. T``); the padding scale entries (rows ``>= T``, columns
+        ``>= H*Dv/16``) are zeroed here. No other byte is touched.
+    """
+    t, num_heads = q.shape[0], q.shape[1]
+    width = num_heads * v.shape[2]
+    rows, cols = nvfp4.scale_shape(t, width, swizzled=True)
+    if packed is None:
+        packed = torch.empty((t, width // 2), dtype=torch.uint8, device=q.device)
+    if scales is None:
+        scales = torch.empty((rows, cols), dtype=torch.uint8, device=q.device)
+    scale_bytes = scales.view(torch.uint8).view(-1)
+    zero_nvfp4_scale_padding(scale_bytes, t, width)
+    _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, EPILOGUE_NVFP4, None, None,
+            packed.view(torch.uint8), scale_bytes, global_scale, config)
+    return packed.view(t, width // 2), scale_bytes.view(rows, cols).view(torch.float8_e4m3fn)

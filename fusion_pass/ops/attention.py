@@ -1,0 +1,149 @@
+"""The attention ops ``attention_with_output`` and ``mla_attention_with_output``: their argument contracts and
+their registration. A call is checked here (every argument, before anything runs), then handed down to the run
+time (:func:`fusion_pass.runtime.attention_call.run`: guard decision, row plan, backend, kernel).
+
+Without ``output_scale`` the op writes attention in the query dtype; with it, NVFP4: ``output`` uint8
+``[T, H*Dv/2]``, ``output_scale`` the global scale (float32, one element) and ``output_block_scale`` the
+swizzled block-scale buffer (what ``scaled_fp4_quant.out`` calls ``output`` and ``output_scale``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusion_pass import nvfp4, runtime
+from fusion_pass.nvfp4 import ArgumentError
+from fusion_pass.nvfp4.checks import check_global_scale
+from fusion_pass.ops.library import dense, fake, impl
+from fusion_pass.ops.quant import QUANT_INPUT_DTYPES
+from fusion_pass.runtime import attention_call, counters
+
+__all__ = ["check_attention_call", "runtime_counters"]
+
+
+def _check_query_dtype_output(op: str, t: int, num_heads: int, v_head_dim: int, q: Tensor, output) -> None:
+    """The query-dtype output contract of the attention ops (no ``output_scale``)."""
+    numel = t * num_heads * v_head_dim
+    viewable = output.dtype == q.dtype and output.numel() == numel
+    if viewable:
+        try:
+            output.view(t, num_heads, v_head_dim)
+        except RuntimeError:
+            viewable = False
+    if not viewable:
+        raise ArgumentError(
+            f"{op}: output must be {q.dtype} with {numel} elements ([T, H*Dv] = "
+            f"[{t}, {num_heads * v_head_dim}]) viewable as [T, H, Dv], got {output.dtype} {list(output.shape)}"
+            + ("" if output.is_contiguous() else " (not contiguous)")
+        )
+    if output.device != q.device:
+        raise ArgumentError(f"{op}: output must be on the query's device {q.device}, got {output.device}")
+
+
+SCALE_BUFFER_DTYPES = (torch.int32, torch.float8_e4m3fn, torch.uint8)
+
+
+def _check_nvfp4_buffers(
+    op: str, t: int, num_heads: int, v_head_dim: int, device: torch.device, output, output_scale, output_block_scale
+) -> None:
+    """The NVFP4 output contract of the attention ops, checked before any attention is computed."""
+    if output_block_scale is None:
+        raise ArgumentError(f"{op}: NVFP4 output needs output_block_scale (the swizzled scale buffer)")
+    width = num_heads * v_head_dim
+    if width % nvfp4.BLOCK_SIZE != 0:
+        raise ArgumentError(
+            f"{op}: NVFP4 output needs num_heads * v_head_dim divisible by 16, got "
+            f"{num_heads} * {v_head_dim} = {width}"
+        )
+    check_global_scale(op, output_scale, device, name="output_scale", check_value=device.type == "cpu")
+    if output.dtype != torch.uint8 or output.numel() != t * width // 2 or not output.is_contiguous():
+        raise ArgumentError(
+            f"{op}: NVFP4 output must be a contiguous uint8 tensor of {t * width // 2} elements "
+            f"([T, H*Dv/2] = [{t}, {width // 2}]), got {output.dtype} {list(output.shape)}"
+            + ("" if output.is_contiguous() else " (not contiguous)")
+        )
+    rows, cols = nvfp4.scale_shape(t, width, swizzled=True)
+    nbytes = output_block_scale.element_size() * output_block_scale.numel()
+    if (
+        output_block_scale.dtype not in SCALE_BUFFER_DTYPES
+        or nbytes != rows * cols
+        or not dense(output_block_scale)
+    ):
+        raise ArgumentError(
+            f"{op}: output_block_scale must be a contiguous buffer of {rows}x{cols} one-byte scales "
+            f"(float8_e4m3fn [{rows}, {cols}], or int32 [{rows}, {cols // 4}] as vLLM allocates it; "
+            f"round_up(T, 128) x round_up(H*Dv/16, 4) for T={t}), got {output_block_scale.dtype} "
+            f"{list(output_block_scale.shape)}"
+            + ("" if dense(output_block_scale) else f" (not contiguous: strides {list(output_block_scale.stride())})")
+        )
+    for name, tensor in (("output", output), ("output_block_scale", output_block_scale)):
+        if tensor.device != device:
+            raise ArgumentError(f"{op}: {name} must be on the query's device {device}, got {tensor.device}")
+
+
+def check_attention_call(op: str, impl, spec, q: Tensor, inputs: tuple, output, output_scale, output_block_scale):
+    """Every argument of an attention op call, before attention runs or any cache is touched.
+
+    The inputs against the layer and the batch (shapes, dtypes, devices, each
+    request's cached length: ``impl.check_inputs``, side-effect free), then the
+    output buffer(s) and, in the NVFP4 form, the global scale (its value on
+    CPU). Errors are ValueErrors starting with the op's name and naming the
+    op's argument.
+    """
+    try:
+        impl.check_inputs(*inputs, spec)
+    except ValueError as exc:
+        raise ArgumentError(f"{op}: {exc}") from None
+    t = spec.num_tokens
+    if output_scale is None:
+        if output_block_scale is not None:
+            raise ArgumentError(f"{op}: output_block_scale was given without output_scale (the global scale)")
+        _check_query_dtype_output(op, t, impl.num_heads, impl.v_head_dim, q, output)
+        return
+    if q.dtype not in QUANT_INPUT_DTYPES:
+        raise ArgumentError(
+            f"{op}: NVFP4 output needs q of float16, bfloat16 or float32 (the unfused path quantizes "
+            f"attention in the query dtype), got {q.dtype}"
+        )
+    _check_nvfp4_buffers(op, t, impl.num_heads, impl.v_head_dim, q.device, output, output_scale, output_block_scale)
+
+
+
+def runtime_counters() -> dict:
+    """What the attention ops' run-time guard decided so far, process-wide
+    (:func:`fusion_pass.runtime.counters.counters`): the report API of compile time and integrations."""
+    return counters.counters()
+
+
+def _run(op: str, q: Tensor, inputs: tuple, output, layer_name, output_scale, output_block_scale) -> None:
+    """One attention op call: the layer and the batch from the run time, every argument checked
+    (:func:`check_attention_call`) before anything runs or any cache is touched, then the run time's call."""
+    impl_ = runtime.get_layer(layer_name)
+    spec = runtime.current_batch()
+    check_attention_call(op, impl_, spec, q, inputs, output, output_scale, output_block_scale)
+    attention_call.run(impl_, inputs, spec, output, output_scale, output_block_scale)
+
+
+@impl("attention_with_output")
+def _attention_with_output(q, k, v, output, layer_name, output_scale=None, output_block_scale=None):
+    _run("attention_with_output", q, (q, k, v), output, layer_name, output_scale, output_block_scale)
+
+
+@impl("mla_attention_with_output")
+def _mla_attention_with_output(q, kv_c_normed, k_pe, output, layer_name, output_scale=None, output_block_scale=None):
+    _run(
+        "mla_attention_with_output", q, (q, kv_c_normed, k_pe), output, layer_name, output_scale, output_block_scale
+    )
+
+
+@fake("attention_with_output")
+def _attention_with_output_fake(q, k, v, output, layer_name, output_scale=None, output_block_scale=None) -> None:
+    return None
+
+
+@fake("mla_attention_with_output")
+def _mla_attention_with_output_fake(
+    q, kv_c_normed, k_pe, output, layer_name, output_scale=None, output_block_scale=None
+) -> None:
+    return None

@@ -1,0 +1,96 @@
+"""One attention call at run time: the guard's decision, then the row plan and the backend, or the exact
+unfused computation; counted once it has completed.
+
+The walk goes down only: :func:`run` -> :func:`fusion_pass.runtime.guard.decide` ->
+:func:`fusion_pass.runtime.row_plan.run_on_prefill` -> the backend's kernels (:mod:`fusion_pass.kernels`).
+The op (:mod:`fusion_pass.ops.attention`) has checked every argument before calling :func:`run`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusion_pass import nvfp4
+from fusion_pass.kernels import launchers
+from fusion_pass.runtime import backends, counters, guard, row_plan, settings
+
+__all__ = ["run", "layer_shape"]
+
+
+def layer_shape(impl, q: Tensor) -> guard.LayerShape:
+    """What a backend must support for ``impl`` (an MLA or standard runtime) called with ``q``."""
+    qk = impl.qk_nope_head_dim + impl.qk_rope_head_dim if hasattr(impl, "qk_nope_head_dim") else impl.head_dim
+    return guard.LayerShape(q.device, q.dtype, impl.num_heads, qk, impl.v_head_dim)
+
+
+def _write_output(out: Tensor, dtype: torch.dtype, output: Tensor, output_scale, output_block_scale) -> None:
+    """Write attention ``out [T, H, Dv]`` into the op's output buffer(s), as the unfused graph would.
+
+    Without ``output_scale``: ``output`` holds ``T * H * Dv`` elements of the query dtype. With it (the
+    fallback): attention rounded to the query dtype, then quantized by the kernel the unfused graph's
+    ``scaled_fp4_quant.out`` runs (:func:`fusion_pass.kernels.launchers.quantize_into`) into ``output`` uint8
+    ``[T, H*Dv/2]`` and the swizzled ``output_block_scale``.
+    """
+    t = out.shape[0]
+    if output_scale is None:
+        output.view(out.shape).copy_(out)
+        return
+    flat = out.to(dtype).reshape(t, -1)
+    packed, scales = nvfp4.byte_views(output, output_block_scale, t)
+    launchers.quantize_into(flat, output_scale, packed, scales, swizzled=True)
+
+
+def _half_prefill_kernel(impl, q: Tensor, spec) -> str | None:
+    """The kernel backend (``"fa4"`` or ``"triton"``) that computes a pure-prefill batch's attention in
+    the query dtype on CUDA: the one the guard would pick for the fused call, so that the unfused path
+    and the fused one share their main loop. None: the layer's PyTorch runtime computes it."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and spec.num_decode_tokens == 0 and not spec.has_chunked_prefill):
+        return None
+    shape = layer_shape(impl, q)
+    backend, _ = backends.select_backend(q.device, q.dtype, shape.num_heads, shape.qk_head_dim, shape.v_head_dim)
+    return backend.name if backend is not None and backend.name in ("fa4", "triton") else None
+
+
+def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
+    """The batch's attention ``[T, H, Dv]``, appending the new tokens to the layer's cache.
+
+    Pure-prefill batches on CUDA run the flash-attention kernel of the backend the guard selects (FA4's SM90
+    forward or the Triton kernel; output in the query dtype, as a serving attention backend returns it);
+    everything else runs the layer's PyTorch runtime (float32).
+    """
+    name = _half_prefill_kernel(impl, q, spec)
+    if name is None:
+        return impl.forward(*inputs, spec)
+    q, k, v, _ = impl.prefill_qkv(*inputs, spec)
+    cu_seqlens, max_seqlen = row_plan.varlen_meta(spec, q.device)
+    return launchers.attention_half_varlen(name, q, k, v, cu_seqlens, max_seqlen, impl.softmax_scale)
+
+
+def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale) -> None:
+    """One attention call of ``impl`` (an MLA or standard runtime) on ``inputs`` for the batch ``spec``.
+
+    Without ``output_scale``: attention in the query dtype, not guarded (:func:`_attention`). With it (the
+    global scale; NVFP4 output): :func:`fusion_pass.runtime.guard.decide` picks the rows; the fused rows run
+    the selected backend through the row plan (attention quantized from float32), the others exactly the
+    unfused computation (attention rounded to the query dtype, then quantized);
+    :func:`fusion_pass.runtime.counters.record` counts the call once it has completed. Should the computation
+    fail part-way, the layer's cache is rolled back (``impl.cache.transaction()``).
+    """
+    q = inputs[0]
+    settings.check_environment()
+    if output_scale is None:
+        with impl.cache.transaction():
+            out = _attention(impl, inputs, spec, q)
+            _write_output(out, q.dtype, output, output_scale, output_block_scale)
+        return
+    decision = guard.decide(guard.BatchRows.from_spec(spec), layer_shape(impl, q))
+    with impl.cache.transaction():
+        if decision.fused:
+            row_plan.run_on_prefill(backends.get_backend(decision.backend), impl, inputs, spec, output, output_scale,
+                                    output_block_scale)
+        else:
+            out = _attention(impl, inputs, spec, q)
+            _write_output(out, q.dtype, output, output_scale, output_block_scale)
+    counters.record(decision)

@@ -1,0 +1,25 @@
+"""The fused backends: one module each (:mod:`.fa4`, :mod:`.triton`, :mod:`.reference`), what a backend is
+(:mod:`.base`) and the choice of one for a layer (:mod:`.selection`)."""
+
+from fusion_pass.runtime.backends.base import Backend
+from fusion_pass.runtime.backends.fa4 import FA4_NVFP4_ARGS, FA4Backend, fa4_availability, fa4_call_kwargs, fa4_sm90_availability
+from fusion_pass.runtime.backends.reference import ReferenceBackend
+from fusion_pass.runtime.backends.selection import BACKEND_ORDER, get_backend, list_backends, refresh, select_backend
+from fusion_pass.runtime.backends.triton import TritonBackend, triton_availability
+
+__all__ = [
+    "BACKEND_ORDER",
+    "Backend",
+    "FA4Backend",
+    "FA4_NVFP4_ARGS",
+    "ReferenceBackend",
+    "TritonBackend",
+    "fa4_availability",
+    "fa4_call_kwargs",
+    "fa4_sm90_availability",
+    "get_backend",
+    "list_backends",
+    "refresh",
+    "select_backend",
+    "triton_availability",
+]

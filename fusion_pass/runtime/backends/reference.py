@@ -1,0 +1,54 @@
+"""The ``reference`` backend: PyTorch on any device, float32 attention quantized straight from float32. Slow,
+always available, the oracle of the other two."""
+
+from __future__ import annotations
+
+import torch
+
+from fusion_pass import nvfp4
+from fusion_pass.kernels import launchers, reference
+
+__all__ = ["ReferenceBackend"]
+
+
+class ReferenceBackend:
+    """PyTorch, any device: float32 attention per sequence, quantized directly from float32.
+
+    Handles cached context (chunked prefill, prefix-cache hits) like the GPU backends: the row plan gives it
+    the same keys, workspace and chunks.
+    """
+
+    name = "reference"
+    handles_context = True
+    kv_dtype = torch.float32  # keys and values as the layer's runtime computes them: no rounding to q's dtype
+
+    def available(self) -> tuple[bool, str]:
+        return True, "PyTorch float32 attention + nvfp4.quantize, any device"
+
+    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return False, f"reference supports float16, bfloat16 and float32 queries, got {dtype}"
+        if (num_heads * v_head_dim) % nvfp4.BLOCK_SIZE != 0:
+            return False, f"num_heads * v_head_dim = {num_heads * v_head_dim} is not divisible by 16"
+        return True, "ok"
+
+    def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
+                   output_block_scale, *, cu_seqlens_k=None, max_seqlen_k=None) -> None:
+        """float32 attention per sequence (:func:`fusion_pass.kernels.reference.varlen_attention`), quantized
+        into the sequences' rows; scale padding zeroed. Reads ``cu_seqlens`` back (CPU-speed path)."""
+        t = q.shape[0]
+        a, b = int(cu_seqlens[0]), int(cu_seqlens[-1])
+        if cu_seqlens_k is None:  # keys at the queries' rows
+            k, v = k[a:b], v[a:b]
+        out32 = reference.varlen_attention(q[a:b], k, v, cu_seqlens - a, True, softmax_scale, cu_seqlens_k)[0]
+        packed, scales = nvfp4.byte_views(output, output_block_scale, t)
+        launchers.quantize_rows(out32.reshape(b - a, -1), output_scale, packed, scales, a)
+        nvfp4.zero_scale_padding(scales, t, packed.shape[1] * 2)
+
+    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
+        """float32 attention per sequence and its log-sum-exp."""
+        return reference.varlen_attention(q, k, v, cu_seqlens, causal, softmax_scale, cu_seqlens_k)
+
+    def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
+        """float32 merge, then the reference quantizer into the rows."""
+        launchers.merge_nvfp4_rows("reference", out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)

@@ -1,0 +1,94 @@
+"""The fused backends in their selection order, and the choice of one for a layer.
+
+``auto`` takes the first backend of :data:`BACKEND_ORDER` that is available (detected once per process,
+:func:`refresh` detects again) and supports the layer's device, dtype and head dims; a configured choice
+(:mod:`fusion_pass.runtime.settings`) restricts the search to that backend. :func:`list_backends` lists every
+backend with its availability and reason (``fusion-pass backends`` prints it). A new backend is a new module
+beside :mod:`.fa4`, :mod:`.triton`, :mod:`.reference` and one entry of :data:`_BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fusion_pass.runtime import settings
+from fusion_pass.runtime.backends import fa4, triton
+from fusion_pass.runtime.backends.base import Backend
+from fusion_pass.runtime.backends.fa4 import FA4Backend
+from fusion_pass.runtime.backends.reference import ReferenceBackend
+from fusion_pass.runtime.backends.triton import TritonBackend
+
+__all__ = ["BACKEND_ORDER", "get_backend", "list_backends", "refresh", "select_backend"]
+
+BACKEND_ORDER = ("fa4", "triton", "reference")
+"""Preference order used by ``auto``."""
+
+_BACKENDS: dict[str, Backend] = {
+    "fa4": FA4Backend(),
+    "triton": TritonBackend(),
+    "reference": ReferenceBackend(),
+}
+
+
+def get_backend(name: str) -> Backend:
+    """The backend object named ``name`` (one of :data:`BACKEND_ORDER`)."""
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r}; backends: {', '.join(BACKEND_ORDER)}") from None
+
+
+def list_backends() -> list[dict[str, Any]]:
+    """One entry per backend, in preference order: ``{"name", "available", "reason"}``."""
+    result = []
+    for name in BACKEND_ORDER:
+        ok, reason = _BACKENDS[name].available()
+        result.append({"name": name, "available": ok, "reason": reason})
+    return result
+
+
+def select_backend(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    num_heads: int,
+    qk_head_dim: int,
+    v_head_dim: int,
+    *,
+    preferred: str | None = None,
+) -> tuple[Backend | None, str]:
+    """The first available backend that supports the layer, and why.
+
+    ``preferred`` (a backend name, or ``"auto"``) overrides the configured
+    choice (:func:`fusion_pass.runtime.settings.configured_backend`); a named choice restricts the search to
+    that backend. Returns ``(backend, its description)`` or ``(None, reasons)``
+    with one ``"name: why"`` per backend tried, joined by ``"; "``.
+    """
+    choice = settings.configured_backend() if preferred is None else _preferred(preferred)
+    names = BACKEND_ORDER if choice == "auto" else (choice,)
+    device = torch.device(device)
+    reasons = []
+    for name in names:
+        backend = _BACKENDS[name]
+        ok, why = backend.available()
+        if ok:
+            ok, unsupported = backend.supports(device, dtype, num_heads, qk_head_dim, v_head_dim)
+            if ok:
+                return backend, why
+            why = unsupported
+        reasons.append(f"{name}: {why}")
+    return None, "; ".join(reasons)
+
+
+def refresh() -> None:
+    """Forget the cached availability results; the next query detects again."""
+    fa4.fa4_status.cache_clear()
+    fa4.device_capability.cache_clear()
+    triton.triton_status.cache_clear()
+
+def _preferred(name: str) -> str:
+    value = name.strip().lower() if isinstance(name, str) else name
+    if value not in settings.BACKEND_CHOICES:
+        raise ValueError(f"preferred={name!r} is not a backend; choose one of {', '.join(settings.BACKEND_CHOICES)}")
+    return value

@@ -1,0 +1,95 @@
+"""The ``triton`` backend: the project's Triton flash attention with an NVFP4 epilogue, any CUDA GPU it supports
+(Hopper has no FP4 instructions: the epilogue rounds and packs with ordinary ones)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from typing import Any, Callable
+
+import torch
+
+from fusion_pass import nvfp4
+from fusion_pass.kernels import launchers
+from fusion_pass.runtime.backends.base import HALF_DTYPES, check_device_dtype
+
+__all__ = ["TRITON_KERNEL_MODULE", "TritonBackend", "triton_availability"]
+
+TRITON_KERNEL_MODULE = "fusion_pass.kernels.triton.flash_attention"
+"""The module of the Triton kernels this backend launches."""
+
+
+def triton_availability(
+    *,
+    find_spec: Callable[[str], Any] = importlib.util.find_spec,
+    import_module: Callable[[str], Any] = importlib.import_module,
+    cuda_available: Callable[[], bool] = torch.cuda.is_available,
+) -> tuple[bool, str]:
+    """Decide whether the Triton backend can run; the probes are injectable.
+
+    Checks, in order: :data:`TRITON_KERNEL_MODULE` is part of this build (``find_spec``); ``triton``
+    imports; a CUDA device exists; the kernel module imports.
+    """
+    if find_spec("fusion_pass.kernels") is None:
+        return False, f"{TRITON_KERNEL_MODULE} (the Triton kernels) is not part of this build"
+    try:
+        triton = import_module("triton")
+    except ImportError:
+        return False, "triton is not installed"
+    except Exception as exc:
+        return False, f"triton failed to import: {type(exc).__name__}: {exc}"
+    if not cuda_available():
+        return False, "no CUDA device"
+    try:
+        import_module(TRITON_KERNEL_MODULE)
+    except Exception as exc:
+        return False, f"{TRITON_KERNEL_MODULE} failed to import: {type(exc).__name__}: {exc}"
+    version = getattr(triton, "__version__", "?")
+    return True, f"Triton {version} flash attention with an NVFP4 epilogue"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_status() -> tuple[bool, str]:
+    return triton_availability()
+
+
+class TritonBackend:
+    """The project's Triton flash attention with an NVFP4 epilogue.
+
+    Calls :func:`fusion_pass.kernels.launchers.flash_attention_nvfp4_varlen` with the row plan's
+    ``q``/``k``/``v``, ``output`` uint8 ``[T, H*Dv/2]`` and ``output_block_scale`` the swizzled
+    scale buffer (the kernel writes every entry of its rows; the launcher zeroes the padding).
+    """
+
+    name = "triton"
+    handles_context = True  # keys context + new tokens (cu_seqlens_k), see run_prefills
+
+    def available(self) -> tuple[bool, str]:
+        return triton_status()
+
+    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
+        ok, why = check_device_dtype(self.name, device, dtype, HALF_DTYPES)
+        if not ok:
+            return ok, why
+        if v_head_dim % nvfp4.BLOCK_SIZE != 0:
+            return False, f"triton's NVFP4 epilogue needs v_head_dim divisible by 16, got {v_head_dim}"
+        return True, "ok"
+
+    def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
+                   output_block_scale, *, cu_seqlens_k=None, max_seqlen_k=None) -> None:
+        launchers.flash_attention_nvfp4_varlen(
+            q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
+            output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+
+    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
+        """The Triton kernel with a float32 output and its log-sum-exp."""
+        return launchers.attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                                                   softmax_scale=softmax_scale, causal=causal, backend="triton")
+
+    def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
+        """The Triton NVFP4 merge kernel."""
+        launchers.merge_nvfp4_rows("triton", out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)
+

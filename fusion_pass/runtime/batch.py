@@ -1,0 +1,198 @@
+"""Batch metadata and the forward context.
+
+:class:`BatchSpec` describes the current batch the way vLLM's attention metadata does: requests in order,
+decode requests (``query_len == 1``) first, then prefills; the tokens of the batch are the requests' new
+tokens concatenated in that order. :func:`batch` / :func:`current_batch` are the forward context: the caller
+wraps a model forward in ``with batch(spec):`` and the attention ops read the spec.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+
+__all__ = ["RequestSpec", "BatchSpec", "batch", "current_batch"]
+
+
+def _check_int(owner: str, field: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}: {field} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}: {field} must be >= {minimum}, got {value}")
+
+
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request's share of a batch.
+
+    ``query_len`` new tokens are computed in this step; ``context_len`` tokens of
+    the same request are already in the KV cache (so the new tokens sit at
+    absolute positions ``context_len .. context_len + query_len - 1``).
+    """
+
+    request_id: str
+    query_len: int
+    context_len: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
+        owner = f"request {self.request_id}"
+        _check_int(owner, "query_len", self.query_len, 1)
+        _check_int(owner, "context_len", self.context_len, 0)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token (vLLM's decode threshold of 1), whatever the context."""
+        return self.query_len == 1
+
+    @property
+    def is_chunked_prefill(self) -> bool:
+        """A prefill (more than one new token) with tokens already cached."""
+        return not self.is_decode and self.context_len > 0
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """The requests of one forward step, decodes first (vLLM's order).
+
+    ``dcp_world_size`` (decode-context-parallel world size) is carried for the
+    fusion guard; the runtime here always computes on the full, local cache.
+    """
+
+    requests: tuple[RequestSpec, ...]
+    dcp_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        requests = tuple(self.requests)
+        object.__setattr__(self, "requests", requests)
+        if not requests:
+            raise ValueError("BatchSpec: requests must not be empty")
+        for r in requests:
+            if not isinstance(r, RequestSpec):
+                raise ValueError(f"BatchSpec: requests must be RequestSpec, got {type(r).__name__}")
+        _check_int("BatchSpec", "dcp_world_size", self.dcp_world_size, 1)
+        seen: set[str] = set()
+        for r in requests:
+            if r.request_id in seen:
+                raise ValueError(f"BatchSpec: duplicate request_id {r.request_id!r}")
+            seen.add(r.request_id)
+        first_prefill = None
+        for r in requests:
+            if not r.is_decode:
+                if first_prefill is None:
+                    first_prefill = r
+            elif first_prefill is not None:
+                raise ValueError(
+                    f"BatchSpec: decode request {r.request_id!r} comes after prefill request "
+                    f"{first_prefill.request_id!r}; decode requests (query_len == 1) must come first"
+                )
+
+    @classmethod
+    def from_lens(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int] | None = None,
+        request_ids: Sequence[str] | None = None,
+        *,
+        dcp_world_size: int = 1,
+    ) -> "BatchSpec":
+        """Build a spec from per-request lengths; ids default to ``"r0", "r1", ...``."""
+        n = len(query_lens)
+        context_lens = [0] * n if context_lens is None else list(context_lens)
+        request_ids = [f"r{i}" for i in range(n)] if request_ids is None else list(request_ids)
+        if len(context_lens) != n or len(request_ids) != n:
+            raise ValueError(
+                f"BatchSpec.from_lens: got {n} query_lens, {len(context_lens)} context_lens "
+                f"and {len(request_ids)} request_ids"
+            )
+        return cls(
+            tuple(RequestSpec(i, q, c) for i, q, c in zip(request_ids, query_lens, context_lens)),
+            dcp_world_size=dcp_world_size,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.query_len for r in self.requests)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for r in self.requests if r.is_decode)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        # Decode requests have exactly one token each.
+        return self.num_decodes
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.requests) - self.num_decodes
+
+    @property
+    def has_chunked_prefill(self) -> bool:
+        return any(r.is_chunked_prefill for r in self.requests)
+
+    @property
+    def kind(self) -> str:
+        """``"prefill"``, ``"decode"``, ``"mixed"`` (decodes + prefills) or
+        ``"chunked"`` (prefills only, at least one with cached context)."""
+        if self.num_prefills == 0:
+            return "decode"
+        if self.num_decodes > 0:
+            return "mixed"
+        return "chunked" if self.has_chunked_prefill else "prefill"
+
+    def query_start_loc(self) -> list[int]:
+        """Cumulative token offsets, length ``len(requests) + 1``, starting at 0."""
+        locs = [0]
+        for r in self.requests:
+            locs.append(locs[-1] + r.query_len)
+        return locs
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """int64 ``[num_tokens]``: each token's absolute position in its request."""
+        return torch.cat(
+            [
+                torch.arange(r.context_len, r.context_len + r.query_len, dtype=torch.int64, device=device)
+                for r in self.requests
+            ]
+        )
+
+
+
+_local = threading.local()
+
+
+@contextmanager
+def batch(spec: BatchSpec) -> Iterator[BatchSpec]:
+    """Make ``spec`` the current batch of this thread for the ``with`` body.
+
+    Nestable: on exit the previously current batch (or none) is restored.
+    """
+    if not isinstance(spec, BatchSpec):
+        raise TypeError(f"batch() expects a BatchSpec, got {type(spec).__name__}")
+    previous = getattr(_local, "spec", None)
+    _local.spec = spec
+    try:
+        yield spec
+    finally:
+        _local.spec = previous
+
+
+def current_batch() -> BatchSpec:
+    """The batch set by the innermost enclosing :func:`batch` of this thread."""
+    spec = getattr(_local, "spec", None)
+    if spec is None:
+        raise RuntimeError(
+            "fusion_pass attention runtime: no batch is set: wrap the forward in "
+            "`with fusion_pass.runtime.batch(spec):` so the attention ops know the "
+            "requests of the batch"
+        )
+    return spec
+

@@ -1,0 +1,123 @@
+"""Per-request KV cache bookkeeping shared by the runtimes, and the context source of the row plan."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from fusion_pass.runtime.batch import BatchSpec, RequestSpec
+
+__all__ = ["ContextRows", "RequestCache", "packed_rows", "positive_int", "positive_softmax_scale"]
+
+
+def positive_int(name: str, value: int) -> int:
+    """``value`` when it is a positive int (a layer dimension), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def positive_softmax_scale(value) -> float:
+    """``value`` as a float when it is a positive finite number (a layer's ``softmax_scale``), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+class RequestCache:
+    """``request_id -> tuple of tensors`` whose dim 0 is the token axis."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def length(self, request_id: str) -> int:
+        entry = self._entries.get(request_id)
+        return 0 if entry is None else entry[0].shape[0]
+
+    def check(self, spec: BatchSpec, *, device: torch.device | None = None) -> None:
+        """Every request's cached length must equal its ``context_len``.
+
+        Requests with ``context_len == 0`` start fresh, so are not checked.
+        With ``device``, the cached context the batch reads must live there
+        (the new tokens are appended to it). Called before any entry is
+        touched, so a failing batch changes nothing; reads only.
+        """
+        for r in spec.requests:
+            held = self.length(r.request_id)
+            if r.context_len > 0 and held != r.context_len:
+                raise ValueError(
+                    f"request {r.request_id}: batch says context_len={r.context_len} "
+                    f"but the cache holds {held} tokens"
+                )
+            if device is not None and r.context_len > 0:
+                cached = self._entries[r.request_id][0].device
+                if cached != torch.device(device):
+                    raise ValueError(
+                        f"request {r.request_id}: its cached context is on {cached}, "
+                        f"the new tokens are on {torch.device(device)}"
+                    )
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Undo every change made to the cache in the ``with`` body if the body raises.
+
+        Cheap: entries are never modified in place (a step replaces them), so
+        the saved copy of the mapping shares the tensors.
+        """
+        saved = dict(self._entries)
+        try:
+            yield
+        except BaseException:
+            self._entries = saved
+            raise
+
+    def extend(
+        self, request: RequestSpec, new: tuple[torch.Tensor, ...], *, owned: bool = False
+    ) -> tuple[torch.Tensor, ...]:
+        """Append ``new`` rows (replacing the entry when ``context_len == 0``);
+        return the full entry (context followed by the new rows).
+
+        ``owned=True`` says ``new`` are fresh tensors nobody else holds, so a
+        fresh entry may keep them instead of a copy.
+        """
+        if request.context_len == 0:
+            full = tuple(new) if owned else tuple(t.clone() for t in new)
+        else:
+            old = self._entries[request.request_id]
+            full = tuple(torch.cat([o, n]) for o, n in zip(old, new))
+        self._entries[request.request_id] = full
+        return full
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def entries(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        """A copy of the mapping (sharing the tensors: entries are never modified in place)."""
+        return dict(self._entries)
+
+    def restore(self, entries: dict[str, tuple[torch.Tensor, ...]]) -> None:
+        """Put back a mapping :meth:`entries` returned."""
+        self._entries = dict(entries)
+
+
+ContextRows = Callable[[int, int], "tuple[Tensor, Tensor]"]
+"""``rows(lo, hi) -> (k, v)``: rows ``[lo, hi)`` of the prefills' packed cached context as keys ``[hi - lo, Hk,
+Dqk]`` and values ``[hi - lo, Hk, Dv]`` in the query dtype, made on demand (MLA: the cached latents of those rows
+up-projected), so that at most one workspace's worth is ever materialized."""
+
+
+def packed_rows(pieces: list[Tensor], lo: int, hi: int) -> Tensor:
+    """Rows ``[lo, hi)`` of the concatenation of ``pieces`` (each ``[n_i, ...]``), without building it."""
+    out, start = [], 0
+    for piece in pieces:
+        end = start + piece.shape[0]
+        if end > lo and start < hi:
+            out.append(piece[max(lo, start) - start: min(hi, end) - start])
+        start = end
+    if not out:
+        return pieces[0][:0]
+    return out[0] if len(out) == 1 else torch.cat(out)

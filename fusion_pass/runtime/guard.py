@@ -1,0 +1,162 @@
+"""The run-time guard: which rows of one attention call the fused backend writes. One core for every caller.
+
+After the fusion pass, one attention op call receives the NVFP4 buffers of the o_proj GEMM. One compiled graph
+serves every batch, so whether the fused kernel may run is decided here, per call, row by row, from a neutral
+description of the batch (:class:`BatchRows`) and of the layer (:class:`LayerShape`). The project's runtime
+builds them from its :class:`~fusion_pass.runtime.BatchSpec`, the vLLM adapter from vLLM's attention metadata;
+both get the same reasons (:data:`FALLBACK_REASONS`). The prefill rows run the fused backend
+(:func:`fusion_pass.runtime.backends.select_backend`) whenever one exists for the layer, also beside decode
+rows (a mixed batch) and, where the backend handles cached context, for chunked prefills. Decode rows, and
+every row of a call that cannot be fused, are computed as the unfused graph computes them and post-quantized
+into their rows of the same buffers: byte-identical to the unfused graph.
+
+The decisions are counted by :mod:`fusion_pass.runtime.counters`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from fusion_pass.runtime import backends
+from fusion_pass.runtime.backends.base import fuses
+
+__all__ = ["BatchRows", "Decision", "FALLBACK_REASONS", "LayerShape", "decide"]
+
+FALLBACK_REASONS = (
+    "no_attention_metadata",
+    "dcp_world_size>1",
+    "decode_tokens",
+    "layer_not_supported",
+    "no_backend",
+    "chunked_prefill",
+)
+"""Why rows are post-quantized, in the order the guard checks them. ``decode_tokens`` also names the decode
+rows of a mixed batch whose prefill rows are fused; ``no_attention_metadata`` (vLLM's profile and dummy runs)
+and ``layer_not_supported`` (what vLLM's layer computes beyond plain causal attention) come from the vLLM
+adapter."""
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """The rows of one attention call: ``decode_tokens`` decode rows first, then one prefill per entry of
+    ``query_lens`` (its new tokens) and ``context_lens`` (its cached context tokens), in row order."""
+
+    decode_tokens: int
+    query_lens: tuple[int, ...] = ()
+    context_lens: tuple[int, ...] = ()
+    dcp_world_size: int = 1
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> "BatchRows":
+        """The rows of a :class:`~fusion_pass.runtime.BatchSpec`."""
+        prefills = spec.requests[spec.num_decodes:]
+        return cls(spec.num_decode_tokens, tuple(r.query_len for r in prefills),
+                   tuple(r.context_len for r in prefills), spec.dcp_world_size)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.decode_tokens + self.prefill_tokens
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What a backend must support: the query's device and dtype and the layer's head dims."""
+
+    device: torch.device | str
+    dtype: torch.dtype
+    num_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The guard's verdict for one attention call.
+
+    ``path`` is ``"fused"`` (every prefill row is written by the fused backend
+    ``backend``; ``reason`` is None), ``"partial"`` (some prefill rows are:
+    those of prefills with cached context the backend does not run are not) or
+    ``"fallback"`` (no row is; ``reason`` is one of :data:`FALLBACK_REASONS`,
+    ``backend`` is None). ``detail`` says
+    more: the batch composition for the batch reasons, every backend's refusal
+    for ``"no_backend"``, the chosen backend's description when fused.
+
+    Per token: ``prefill_tokens`` of the batch, ``fused_tokens`` written by the
+    fused backend, ``post_quantized`` ``{reason: tokens}`` for the rest (a
+    mixed batch's decode rows under ``"decode_tokens"``).
+    """
+
+    path: Literal["fused", "partial", "fallback"]
+    reason: str | None
+    backend: str | None
+    detail: str | None = None
+    prefill_tokens: int = 0
+    fused_tokens: int = 0
+    post_quantized: dict = field(default_factory=dict)
+
+    @classmethod
+    def fallback(cls, reason: str, detail: str, prefill_tokens: int = 0, tokens: int = 0) -> "Decision":
+        """Every row post-quantized for ``reason`` (one of :data:`FALLBACK_REASONS`)."""
+        return cls("fallback", reason, None, detail, prefill_tokens, 0, {reason: tokens} if tokens else {})
+
+    @property
+    def fused(self) -> bool:
+        """The fused backend runs (on every prefill row, or on some: ``"partial"``)."""
+        return self.path in ("fused", "partial")
+
+
+def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None, decode_refusal: str | None = None,
+           context_refusal: str | None = None, allow_partial: bool = True) -> Decision:
+    """Which rows of the call the fused backend writes.
+
+    Checked in this order; the first that holds post-quantizes every row:
+
+    1. ``rows.dcp_world_size != 1``: ``"dcp_world_size>1"``;
+    2. no prefill row (a decode-only batch): ``"decode_tokens"``;
+    3. ``unsupported`` (what the layer computes that the fused kernels do not): ``"layer_not_supported"``;
+    4. decode rows and ``decode_refusal`` (the caller cannot compute them apart): ``"decode_tokens"``;
+    5. cached context and ``context_refusal`` (the caller cannot read it): ``"chunked_prefill"``;
+    6. no backend is selected for ``layer``: ``"no_backend"`` with each backend's reason in ``detail``;
+    7. no prefill the backend runs (every prefill has cached context and the backend does not run such
+       prefills; with ``allow_partial=False``, any prefill with context it does not run): ``"chunked_prefill"``.
+
+    Otherwise the prefill rows the backend runs (:func:`fuses`) are fused and the rest post-quantized: decode
+    rows counted under ``"decode_tokens"``, rows of prefills with cached context the backend does not run under
+    ``"chunked_prefill"``. ``path`` is ``"fused"`` when every prefill row is fused, ``"partial"`` when some are.
+    """
+    t, d, prefill = rows.num_tokens, rows.decode_tokens, rows.prefill_tokens
+    with_context = sum(1 for c in rows.context_lens if c)
+
+    def fallback(reason: str, detail: str) -> Decision:
+        return Decision.fallback(reason, detail, prefill, t)
+
+    if rows.dcp_world_size != 1:
+        return fallback("dcp_world_size>1", f"dcp_world_size={rows.dcp_world_size}")
+    if prefill == 0:
+        return fallback("decode_tokens", f"{d} decode token(s), no prefill")
+    if unsupported:
+        return fallback("layer_not_supported", unsupported)
+    if d and decode_refusal:
+        return fallback("decode_tokens", f"{d} decode token(s) beside {prefill} prefill token(s): {decode_refusal}")
+    if with_context and context_refusal:
+        return fallback("chunked_prefill", f"{with_context} prefill request(s) with cached context: {context_refusal}")
+    backend, why = backends.select_backend(layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
+                                           layer.v_head_dim)
+    if backend is None:
+        return fallback("no_backend", why)
+    fused = sum(q for q, c in zip(rows.query_lens, rows.context_lens) if fuses(backend, c))
+    context = ("" if fused == prefill else f"; {prefill - fused} row(s) of prefills with cached context "
+               f"post-quantized: backend {backend.name} runs prefills without cached context only")
+    if fused == 0 or (fused != prefill and not allow_partial):
+        return fallback("chunked_prefill", context[2:])
+    unfused = {"decode_tokens": d, "chunked_prefill": prefill - fused}
+    rest = {k: v for k, v in unfused.items() if v}
+    detail = why + (f"; {d} decode row(s) post-quantized" if d else "") + context
+    return Decision("fused" if fused == prefill else "partial", None, backend.name, detail, prefill, fused, rest)

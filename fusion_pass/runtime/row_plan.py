@@ -1,0 +1,215 @@
+"""How the prefill rows of one attention call reach a fused backend.
+
+A call's rows are its decode rows ``[0, D)`` then its prefills, each ``query_len`` new tokens after
+``context_len`` cached ones (vLLM's order, :class:`~fusion_pass.runtime.BatchSpec`). This module turns them
+into what a fused backend's kernel takes and writes them back:
+
+* the layer's runtime gives dense ``q``/``k``/``v`` of the prefills (``impl.prefill_qkv``; MLA: keys and values
+  up-projected through ``kv_b_proj``), appending the new tokens to its cache, and the prefills' cached context
+  as a source of rows (:data:`~fusion_pass.runtime.cache.ContextRows`);
+* :func:`run_prefills`: the fused NVFP4 attention of a run of prefills at their rows: one kernel call over a
+  key/value workspace of context + new tokens (``seqlen_k > seqlen_q``, causal aligned to the end) while the
+  call's cached context fits the workspace bound (:func:`context_workspace_tokens`), else context chunks of
+  at most that many keys, each with its log-sum-exp, merged into NVFP4 by the backend's merge kernel;
+* :func:`run_on_prefill`: a whole call: the prefill rows through :func:`run_prefills` first, then every row
+  the backend does not write (decode rows; prefills with context when the backend's ``handles_context``
+  is False) computed as the unfused graph computes it and written by the row-range quantizer
+  (:func:`post_quantize_rows`), which touches no other row.
+
+A backend is what it is given (:class:`fusion_pass.runtime.backends.Backend`: ``run_varlen``,
+``attention_lse``, ``merge_nvfp4``): the plan calls down into it, it never calls back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fusion_pass import nvfp4
+from fusion_pass.kernels import launchers
+from fusion_pass.kernels.reference import merge_attention
+from fusion_pass.runtime.backends.base import fuses
+from fusion_pass.runtime.cache import ContextRows
+from fusion_pass.runtime.settings import check_token_count, context_workspace_tokens
+
+__all__ = [
+        "post_quantize_rows",
+    "run_on_prefill",
+    "run_prefills",
+    "varlen_meta",
+]
+
+def varlen_meta(spec: Any, device: torch.device, first_row: int = 0) -> tuple[Tensor, int]:
+    """``cu_seqlens`` int32 ``[B + 1]`` on ``device`` (starting at ``first_row``) and the longest query length."""
+    cu_seqlens = torch.tensor([first_row + x for x in spec.query_start_loc()], dtype=torch.int32, device=device)
+    return cu_seqlens, max(r.query_len for r in spec.requests)
+
+
+def post_quantize_rows(rows: Tensor, output_scale: Tensor, output: Tensor, output_block_scale: Tensor,
+                       row_start: int, t: int) -> None:
+    """Quantize ``rows [M, H*Dv]`` (any float dtype) into rows ``[row_start, row_start + M)`` of the
+    ``T``-row NVFP4 buffers, touching no other row. The op checked the buffers and the global scale
+    already: :func:`fusion_pass.kernels.launchers.quantize_rows` (on CUDA the Triton launcher, no read-back of the
+    scale, no sync; elsewhere the reference)."""
+    packed, scales = nvfp4.byte_views(output, output_block_scale, t)
+    launchers.quantize_rows(rows.reshape(rows.shape[0], -1), output_scale, packed, scales, row_start)
+
+
+def _sub_batch(spec: Any, requests) -> Any:
+    """A batch of some of ``spec``'s requests (in their order)."""
+    return type(spec)(tuple(requests), spec.dcp_world_size)
+
+
+def _fused(backend: Any, request: Any) -> bool:
+    """Whether ``backend`` writes ``request``'s rows: a prefill it runs (:func:`~fusion_pass.runtime.backends.base.fuses`)."""
+    return not request.is_decode and fuses(backend, request.context_len)
+
+
+def _runs(spec: Any, requests: list) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each run of adjacent rows that ``requests`` (in ``spec``'s order) cover."""
+    locs = spec.query_start_loc()
+    index = {r.request_id: i for i, r in enumerate(spec.requests)}
+    runs: list[list[int]] = []
+    for r in requests:
+        start = locs[index[r.request_id]]
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1][1] += r.query_len
+        else:
+            runs.append([start, r.query_len])
+    return [(a, n) for a, n in runs]
+
+
+def _rows(spec: Any, requests: list, device) -> Tensor:
+    """The global row indices of ``requests`` (members of ``spec``, in its order)."""
+    return torch.cat([torch.arange(a, a + n, device=device) for a, n in _runs(spec, requests)])
+
+
+def _cu(lengths: list[int], device, first: int = 0) -> Tensor:
+    out, total = [first], first
+    for n in lengths:
+        total += n
+        out.append(total)
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def _interleave(context: Tensor, new: Tensor, context_lens: list[int], query_lens: list[int]) -> Tensor:
+    """Per request its context rows then its new rows: ``[sum(context_lens) + sum(query_lens), ...]``."""
+    pieces, c, n = [], 0, 0
+    for lc, lq in zip(context_lens, query_lens):
+        pieces += [context[c:c + lc], new[n:n + lq]]
+        c, n = c + lc, n + lq
+    return torch.cat(pieces)
+
+
+def _context_chunks(context_lens: list[int], width: int):
+    """``(lo, hi, lengths)`` per chunk of the packed context rows: chunk ``j`` is rows ``[j*width, (j+1)*width)``
+    of the packed context, ``lengths`` how many of them each request has (0 for most requests of a
+    chunk). ``ceil(sum(context_lens) / width)`` chunks, each at most ``width`` keys."""
+    starts = [0]
+    for n in context_lens:
+        starts.append(starts[-1] + n)
+    for lo in range(0, starts[-1], width):
+        hi = min(lo + width, starts[-1])
+        yield lo, hi, [max(0, min(b, hi) - max(a, lo)) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: int, query_lens: list[int],
+                 context_lens: list[int], context: ContextRows | None, softmax_scale: float,
+                 output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
+                 workspace_tokens: int | None = None) -> None:
+    """Fused NVFP4 attention of a run of prefills, some with cached context, written at their rows.
+
+    Args:
+        q: ``[T, H, Dqk]``, the call's rows; the prefills are rows ``[first_row, first_row + sum(query_lens))``
+            in order.
+        k, v: ``[sum(query_lens), Hk, Dqk]`` / ``[sum(query_lens), Hk, Dv]``: the prefills' new keys and values,
+            row ``i`` belonging to query row ``first_row + i``.
+        query_lens, context_lens: per prefill (host ints), its new tokens and cached context tokens.
+        context: the prefills' cached context, packed in request order (:data:`~fusion_pass.runtime.cache.ContextRows`; None when no
+            prefill has context). Asked for all ``C = sum(context_lens)`` rows at once within the bound, for
+            at most ``bound`` rows at a time beyond it.
+        output, output_scale, output_block_scale: the call's NVFP4 buffers (``T`` rows).
+        workspace_tokens: the bound (default :func:`context_workspace_tokens`).
+
+    Within the bound: one fused call whose keys are, per request, its context then its new tokens (a
+    ``[C + sum(query_lens), Hk, D]`` workspace). Beyond it: ``ceil(C / bound)`` context chunks of at most
+    ``bound`` rows, each attended (non-causally) with its log-sum-exp and merged in float32, then the new
+    tokens (causally), merged into NVFP4 by the backend's merge kernel.
+
+    Rows ``< first_row`` are not written; the scale padding (rows ``>= T``, padded columns) is zeroed. Rows
+    written by anyone else go in after this call all the same (a backend's entry point may zero more).
+    """
+    total_context = sum(context_lens)
+    if workspace_tokens is not None:
+        check_token_count("run_prefills(workspace_tokens)", workspace_tokens)
+    if total_context and context is None:
+        raise ValueError(f"run_prefills: context_lens sum to {total_context} cached tokens but context is None")
+    bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
+    cu_q = _cu(query_lens, q.device, first_row)
+    max_q = max(query_lens)
+    if total_context == 0:  # keys are the queries' own tokens; past row 0 they are indexed from 0
+        cu_k = None if first_row == 0 else _cu(query_lens, q.device)
+        backend.run_varlen(q, k, v, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale,
+                           cu_seqlens_k=cu_k, max_seqlen_k=None if cu_k is None else max_q)
+        return
+    if total_context <= bound:
+        k_context, v_context = context(0, total_context)
+        k_ws = _interleave(k_context, k, context_lens, query_lens)
+        v_ws = _interleave(v_context, v, context_lens, query_lens)
+        key_lens = [a + b for a, b in zip(context_lens, query_lens)]
+        backend.run_varlen(q, k_ws, v_ws, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale,
+                           cu_seqlens_k=_cu(key_lens, q.device), max_seqlen_k=max(key_lens))
+        return
+    q_p = q[first_row:first_row + sum(query_lens)]
+    cu_p = _cu(query_lens, q.device)
+    acc = None
+    for lo, hi, lengths in _context_chunks(context_lens, bound):
+        k_chunk, v_chunk = context(lo, hi)
+        part = backend.attention_lse(q_p, k_chunk, v_chunk, cu_p, max_q, _cu(lengths, q.device), max(lengths),
+                                     softmax_scale, False)
+        acc = part if acc is None else merge_attention(acc[0], acc[1], part[0], part[1])
+    new = backend.attention_lse(q_p, k, v, cu_p, max_q, cu_p, max_q, softmax_scale, True)
+    t = q.shape[0]
+    packed, scales = nvfp4.byte_views(output, output_block_scale, t)
+    backend.merge_nvfp4(acc[0], acc[1], new[0], new[1], output_scale, packed, scales, first_row)
+    nvfp4.zero_scale_padding(scales, t, packed.shape[1] * 2)
+
+
+def run_on_prefill(backend: Any, impl: Any, inputs: tuple, spec: Any,
+                   output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
+    """The fused backend on the rows of the requests it :func:`_fused`, at their global rows (:func:`run_prefills`:
+    prefills with cached context attend to it); every other row computed as the unfused graph computes it and
+    post-quantized into its rows.
+
+    The fused kernel runs first, once, over every prefill request (``cu_seqlens`` from the first prefill row
+    ``D``): its epilogue writes rows ``[D, T)`` and its entry point zeroes scale padding, which may reach into
+    the last 128-row tile. The rows it must not own are then overwritten: decode rows and prefills with
+    cached context the backend does not run (their key/value rows in the kernel's input are zeros, so the
+    kernel's values for them are discarded), computed by the layer's float32 runtime, rounded to the query
+    dtype and written by the row-range quantizer, which touches no other row.
+    """
+    q = inputs[0] if inputs[0].stride(-1) == 1 else inputs[0].contiguous()  # the kernels' layout
+    t, d = spec.num_tokens, spec.num_decode_tokens
+    fused = [r for r in spec.requests if _fused(backend, r)]
+    exact = [r for r in spec.requests if not _fused(backend, r)]
+    prefills = spec.requests[spec.num_decodes:]
+    # the common case, every prefill fused: their rows are [D, T), a view; else gathered
+    fused_rows = slice(d, t) if len(fused) == len(prefills) else _rows(spec, fused, q.device)
+    _, k, v, context = impl.prefill_qkv(*(x[fused_rows] for x in inputs), _sub_batch(spec, fused),
+                                       kv_dtype=getattr(backend, "kv_dtype", None))
+    if len(fused) != len(prefills):  # keys of every prefill row in order; the unfused prefills' are zeros
+        k_all, v_all = k.new_zeros((t - d, *k.shape[1:])), v.new_zeros((t - d, *v.shape[1:]))
+        k_all[fused_rows - d], v_all[fused_rows - d] = k, v
+        k, v = k_all, v_all
+    if exact:
+        out = impl.forward(*(x[_rows(spec, exact, q.device)] for x in inputs), _sub_batch(spec, exact)).to(q.dtype)
+    run_prefills(backend, q, k, v, first_row=d, query_lens=[r.query_len for r in prefills],
+                 context_lens=[r.context_len if _fused(backend, r) else 0 for r in prefills],
+                 context=context, softmax_scale=impl.softmax_scale,
+                 output=output, output_scale=output_scale, output_block_scale=output_block_scale)
+    offset = 0
+    for start, length in _runs(spec, exact):  # one row-range launch per run of adjacent rows (all decodes: one)
+        post_quantize_rows(out[offset:offset + length], output_scale, output, output_block_scale, start, t)
+        offset += length

@@ -1,0 +1,163 @@
+"""The run time's settings: which fused backend serves a layer, and the context workspace bound.
+
+Each setting is read, in order of precedence, from:
+
+1. ``use_*(value)`` (``with use_backend("reference"):``): scoped to the ``with`` block *and* to the thread /
+   asyncio task that entered it (a :class:`contextvars.ContextVar`: compiled graphs run their ops on the
+   calling thread); other threads never see it and threads started inside the block do not inherit it.
+   ``use_*(None)`` lets the environment decide inside the block, ignoring ``set_*``;
+2. ``set_*(value)``: the process-wide value, seen by every thread without a ``use_*`` block of its own;
+   ``set_*(None)`` goes back to the environment;
+3. the environment variable (:data:`BACKEND_ENV`, :data:`CONTEXT_WORKSPACE_ENV`);
+4. the default.
+
+A bad value raises ValueError naming its source before anything else happens: ``set_*`` / ``use_*`` when
+called, an environment variable when first read (:func:`check_environment` reads both at once; the attention
+ops call it before they touch a cache).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+__all__ = [
+    "BACKEND_CHOICES",
+    "BACKEND_ENV",
+    "CONTEXT_WORKSPACE_ENV",
+    "DEFAULT_CONTEXT_WORKSPACE_TOKENS",
+    "check_environment",
+    "configured_backend",
+    "context_workspace_tokens",
+    "set_backend",
+    "set_context_workspace_tokens",
+    "use_backend",
+    "use_context_workspace_tokens",
+]
+
+T = TypeVar("T")
+
+BACKEND_ENV = "FUSION_PASS_BACKEND"
+"""Environment variable pinning the backend choice (one of :data:`BACKEND_CHOICES`)."""
+
+BACKEND_CHOICES = ("auto", "fa4", "triton", "reference")
+"""Valid backend choices; ``auto`` takes the first backend of the selection order that runs the layer."""
+
+CONTEXT_WORKSPACE_ENV = "FUSION_PASS_CONTEXT_WORKSPACE_TOKENS"
+"""Environment variable setting the context workspace bound (:func:`context_workspace_tokens`)."""
+
+DEFAULT_CONTEXT_WORKSPACE_TOKENS = 65536
+"""Default context workspace bound: vLLM's cap on its MLA chunked-prefill workspace (64k tokens)."""
+
+_UNSET: Any = object()
+_ENVIRONMENT: Any = object()  # use_*(None): the environment decides, ignoring set_*
+
+
+class _Setting(Generic[T]):
+    """One setting: scoped value (context variable), process-wide value, environment variable, default."""
+
+    def __init__(self, name: str, env: str, default: T, parse: Callable[[Any, str], T]) -> None:
+        self.env, self.default, self.parse = env, default, parse
+        self._process: T | None = None
+        self._lock = threading.Lock()
+        self._scoped: contextvars.ContextVar[Any] = contextvars.ContextVar(f"fusion_pass_{name}", default=_UNSET)
+
+    def get(self) -> T:
+        scoped = self._scoped.get()
+        if scoped is not _UNSET and scoped is not _ENVIRONMENT:
+            return scoped
+        if scoped is _UNSET and self._process is not None:
+            return self._process
+        return self.from_environment()
+
+    def from_environment(self) -> T:
+        raw = os.environ.get(self.env, "")
+        return self.default if not raw.strip() else self.parse(raw, self.env)
+
+    def set(self, value: Any, source: str) -> T | None:
+        parsed = None if value is None else self.parse(value, source)
+        with self._lock:
+            previous, self._process = self._process, parsed
+        return previous
+
+    @contextmanager
+    def use(self, value: Any, source: str) -> Iterator[Any]:
+        token = self._scoped.set(_ENVIRONMENT if value is None else self.parse(value, source))
+        try:
+            yield value
+        finally:
+            self._scoped.reset(token)
+
+
+def _backend_choice(value: Any, source: str) -> str:
+    choice = value.strip().lower() if isinstance(value, str) else value
+    if choice not in BACKEND_CHOICES:
+        raise ValueError(f"{source}={value!r} is not a backend; choose one of {', '.join(BACKEND_CHOICES)}")
+    return choice
+
+
+def _token_count(value: Any, source: str) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source}={value!r} must be a positive number of tokens (the context workspace bound)")
+    return int(value)
+
+
+_backend = _Setting("backend", BACKEND_ENV, "auto", _backend_choice)
+_workspace = _Setting("workspace", CONTEXT_WORKSPACE_ENV, DEFAULT_CONTEXT_WORKSPACE_TOKENS, _token_count)
+
+
+def configured_backend() -> str:
+    """The backend choice of the calling thread / task (module docstring: use, set, environment, ``auto``)."""
+    return _backend.get()
+
+
+def set_backend(name: str | None) -> str | None:
+    """Pin the process-wide backend choice (``None``: back to the environment / ``auto``); returns the previous
+    pinned choice (``None`` if there was none)."""
+    return _backend.set(name, "set_backend(name)")
+
+
+def use_backend(name: str | None):
+    """Pin the backend choice inside the ``with`` block, for the calling thread / task only (``None``: the
+    environment decides inside, ignoring :func:`set_backend`). Nestable."""
+    return _backend.use(name, "use_backend(name)")
+
+
+def context_workspace_tokens() -> int:
+    """The context workspace bound, in tokens (module docstring: use, set, environment, default 65536).
+
+    A call whose fused prefills have at most this many cached context tokens in all runs one attention over a
+    workspace of context + new keys; beyond it the context is attended in chunks of at most this many tokens
+    and the parts are merged by log-sum-exp (:func:`fusion_pass.runtime.row_plan.run_prefills`)."""
+    return _workspace.get()
+
+
+def set_context_workspace_tokens(tokens: int | None) -> int | None:
+    """Set the process-wide context workspace bound (``None``: back to the environment / default); returns the
+    previous setting."""
+    return _workspace.set(tokens, "set_context_workspace_tokens(tokens)")
+
+
+def use_context_workspace_tokens(tokens: int | None):
+    """The context workspace bound inside the ``with`` block, for the calling thread / task only (``None``: the
+    environment decides inside, ignoring :func:`set_context_workspace_tokens`). Nestable."""
+    return _workspace.use(tokens, "use_context_workspace_tokens(tokens)")
+
+
+def check_token_count(source: str, tokens: Any) -> int:
+    """``tokens`` as a positive int, else ValueError naming ``source``."""
+    return _token_count(tokens, source)
+
+
+def check_environment() -> None:
+    """Read every setting's environment variable now: a bad value raises ValueError naming the variable."""
+    _backend.from_environment()
+    _workspace.from_environment()

@@ -1,0 +1,176 @@
+"""The fusion pass as a vLLM ``InductorPass``.
+
+vLLM resolves ``compilation_config.inductor_passes["post_grad_custom_post_pass"]`` (a dotted name
+``<top-level module>.<attribute>``) in the user's process, deep-copies the config, pickles it to the
+EngineCore and worker processes (V1 multiprocessing), and in ``VLLM_COMPILE`` mode asserts the pass
+is an ``InductorPass`` before appending it to its ``PostGradPassManager``. Hence this class:
+
+* an ``InductorPass`` instance holding only plain data (pattern names): ``__reduce__`` rebuilds it
+  in the receiving process, ``__deepcopy__`` builds a fresh one; the :class:`~fusion_pass.FusionPass`
+  (which holds ``OpOverload`` objects and traced templates) is built lazily, on the first graph;
+* ``uuid()`` is stable across processes and runs and includes the vLLM version (vLLM's AOT cache key
+  and Inductor's FX graph cache key include it);
+* every process that compiles logs its report (logger ``vllm.fusion_pass``, so vLLM's handler shows
+  it) and, under ``FUSION_PASS_DUMP=dir``, writes it to ``dir/vllm_report_<pid>.json``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import importlib
+import inspect
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import vllm
+from vllm.compilation.passes.inductor_pass import InductorPass
+
+from fusion_pass.vllm import vocabulary
+
+logger = logging.getLogger("vllm.fusion_pass")
+
+SUPPORTED_VLLM_VERSIONS = vocabulary.VLLM_VERSIONS
+ATTENTION_OPS = ("vllm::unified_attention_with_output", "vllm::unified_mla_attention_with_output",
+                 "vllm::unified_attention", "vllm::unified_mla_attention")
+
+
+def version_supported(version: str | None = None) -> bool:
+    version = vllm.__version__ if version is None else version
+    return any(version.startswith(prefix) for prefix in SUPPORTED_VLLM_VERSIONS)
+
+
+def splitting_attention_ops(compilation_config) -> list[str]:
+    """Attention ops among the config's splitting ops (when the graph is really split on them)."""
+    if compilation_config is None or getattr(compilation_config, "use_inductor_graph_partition", False):
+        return []
+    return [op for op in (getattr(compilation_config, "splitting_ops", None) or []) if op in ATTENTION_OPS]
+
+
+class FusionPassForVllm(InductorPass):
+    """attention -> NVFP4 quant -> NVFP4 GEMM fusion over vLLM's ops, as a vLLM ``InductorPass``.
+
+    ``patterns``: names of entries of :data:`fusion_pass.patterns.PATTERNS` (default: all).
+    """
+
+    def __init__(self, patterns: tuple[str, ...] | None = None):
+        self.patterns = None if patterns is None else tuple(patterns)
+        self._fusion = None
+        self._lock = threading.Lock()
+        self._warned_split = False
+        self.disabled_reason: str | None = None
+
+    # -- pickling / copying: only the pattern names travel ------------------------------------
+
+    def __reduce__(self):
+        return (type(self), (self.patterns,))
+
+    def __deepcopy__(self, memo):
+        return type(self)(self.patterns)
+
+    # -- the lazily built FusionPass ----------------------------------------------------------
+
+    def fusion(self):
+        """The :class:`~fusion_pass.FusionPass` over vLLM's vocabulary (built once per instance), or
+        None when this process cannot rewrite (reason in :attr:`disabled_reason`, logged once)."""
+        with self._lock:
+            if self._fusion is None and self.disabled_reason is None:
+                self._fusion = self._build()
+            return self._fusion
+
+    def _build(self):
+        if not version_supported():
+            return self._disable(f"vllm {vllm.__version__} is not one of the versions this pass was written "
+                                 f"against ({', '.join(v + 'x' for v in SUPPORTED_VLLM_VERSIONS)}): "
+                                 f"graphs are left as vLLM built them")
+        try:
+            importlib.import_module("vllm.model_executor.layers.attention")  # registers vllm::*attention* ops
+
+            from fusion_pass.vllm import attention_op
+
+            attention_op.register()
+            vocab = vocabulary.vllm_vocabulary()
+        except Exception as exc:
+            return self._disable(f"vLLM vocabulary unavailable ({type(exc).__name__}: {exc})")
+        from fusion_pass.compile.graph_pass import FusionPass
+
+        return FusionPass(self.patterns, vocabularies=(vocab,))
+
+    def _disable(self, reason: str):
+        self.disabled_reason = reason
+        logger.warning("fusion_pass: the fusion pass does not rewrite in this process: %s", reason)
+        return None
+
+    # -- InductorPass ---------------------------------------------------------------------------
+
+    def uuid(self) -> str:
+        """Stable across processes: pattern set and code, matcher, vocabulary, this adapter, vLLM version."""
+        from fusion_pass.compile import matcher
+        from fusion_pass.patterns import attention_quant
+        from fusion_pass.vllm import attention_op, fused_rows, guard
+
+        h = hashlib.sha256()
+        h.update(repr(self.patterns).encode())
+        for module in (matcher, attention_quant, vocabulary, attention_op, guard, fused_rows,
+                       inspect.getmodule(FusionPassForVllm)):
+            h.update(inspect.getsource(module).encode())
+        h.update(f"vllm={vllm.__version__}".encode())
+        return h.hexdigest()
+
+    def __call__(self, graph) -> None:
+        self._warn_if_split()
+        fusion = self.fusion()
+        if fusion is None:
+            return
+        fusion(graph)
+        last = fusion.graphs[-1]
+        logger.info("%s [pid %d]", last.line(), os.getpid())
+        for layer in last.layers:
+            if layer["outcome"] != "rewritten":
+                logger.info("fusion_pass: %s (%s): refused: %s", layer["layer"], layer["pattern"], layer.get("reason"))
+        self.write_report()
+
+    def _warn_if_split(self) -> None:
+        if self._warned_split:
+            return
+        self._warned_split = True
+        try:
+            from vllm.config import get_current_vllm_config
+
+            split = splitting_attention_ops(get_current_vllm_config().compilation_config)
+        except Exception:
+            return
+        if split:
+            logger.warning(
+                "fusion_pass: attention is a splitting op (%s): vLLM compiles attention and the o_proj quant in "
+                "different graphs, so the fusion pass cannot match them. Set compilation_config "
+                "splitting_ops=[] or use_inductor_graph_partition=True.", ", ".join(split))
+
+    # -- report -----------------------------------------------------------------------------------
+
+    def report(self) -> dict:
+        """This process's report: :meth:`fusion_pass.FusionPass.report` plus pid, vLLM version, disabled reason."""
+        from fusion_pass import ops
+
+        fusion = self._fusion
+        base = fusion.report() if fusion is not None else {
+            "graphs": 0, "candidates": 0, "rewritten": 0, "refused": {}, "seconds": 0.0, "per_graph": [],
+            "runtime": ops.runtime_counters()}
+        return {**base, "pid": os.getpid(), "vllm_version": vllm.__version__, "disabled_reason": self.disabled_reason}
+
+    def write_report(self) -> Path | None:
+        """Under ``FUSION_PASS_DUMP=dir``: write :meth:`report` to ``dir/vllm_report_<pid>.json``
+        (again at exit, with the final run-time counters)."""
+        directory = os.environ.get("FUSION_PASS_DUMP")
+        if not directory:
+            return None
+        path = Path(directory) / f"vllm_report_{os.getpid()}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.report(), indent=2, default=str))
+        if not getattr(self, "_atexit", False):
+            self._atexit = True
+            atexit.register(self.write_report)
+        return path
