@@ -1,4 +1,5 @@
-"""Test session set-up.
+"""Test session set-up. The tests mirror the package's folders (compile/, runtime/, kernels/, nvfp4/, ops/,
+demo/; bench/ for the benchmarks' scripts); the case modules they share sit here.
 
 Without a CUDA device the Triton kernels run in Triton's CPU interpreter. The
 variable must be set before triton is first imported (``triton.jit`` reads it
@@ -7,9 +8,14 @@ not import triton, importing fusion_pass does.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# the shared case modules (graph_cases, context_cases, row_buffers) beside this file, for tests in subfolders
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -19,7 +25,7 @@ if not torch.cuda.is_available():
 def clean_backend_state(monkeypatch):
     """No backend pinned (environment or set_backend), the default context workspace bound, zeroed guard
     counters; restored after."""
-    from fusion_pass.runtime import backends, counters, guard, row_plan, settings
+    from fusion_pass.runtime import counters, settings
 
     monkeypatch.delenv(settings.BACKEND_ENV, raising=False)
     monkeypatch.delenv(settings.CONTEXT_WORKSPACE_ENV, raising=False)

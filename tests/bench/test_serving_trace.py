@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "serving_trace.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "serving_trace.py"
 
 
 def _load():

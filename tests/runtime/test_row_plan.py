@@ -20,7 +20,7 @@ import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
 from fusion_pass import kernels, nvfp4, runtime
-from fusion_pass.runtime import backends, counters, guard, row_plan, settings
+from fusion_pass.runtime import backends, counters, row_plan, settings
 from fusion_pass.kernels import launchers
 from fusion_pass.demo.workload import requantization_bound
 from fusion_pass.ops import scaled_fp4_quant

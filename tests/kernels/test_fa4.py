@@ -21,7 +21,6 @@ import random
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +30,6 @@ from fusion_pass.runtime import backends, settings
 from fusion_pass.kernels import choice
 from fusion_pass.kernels.fa4 import sm90 as fa4_sm90
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from context_cases import (ContextCase, ContextLimits, call_without_host_sync, context_case,  # noqa: E402
                            context_inputs, reference_context_attention)
@@ -169,7 +167,7 @@ def test_attention_op_with_fa4_fused_on_prefill_and_byte_equal_fallback_on_decod
     (within the requantization bound of the unfused bytes); a decode batch falls back and
     its bytes equal the unfused path's."""
     from fusion_pass import ops, runtime
-    from fusion_pass.runtime import counters, guard
+    from fusion_pass.runtime import counters
     from fusion_pass.demo.workload import compare_nvfp4
     from fusion_pass.runtime import BatchSpec, RequestSpec
 

@@ -42,9 +42,7 @@ import dataclasses
 import math
 import os
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -54,7 +52,6 @@ from fusion_pass.kernels.reference import merge_attention
 from fusion_pass.kernels.triton import merge as merge_nvfp4
 from fusion_pass.kernels import merge_attention_nvfp4
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from row_buffers import POISON, expected, poisoned, row_of_scale_byte, scale_bytes  # noqa: E402
 

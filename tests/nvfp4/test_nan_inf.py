@@ -330,7 +330,7 @@ def test_attention_op_paths_follow_the_contract():
     half-precision output, and on both paths the NaN / Inf blocks hold the contract's
     scale byte, the NaN blocks zero codes and the infinite elements codes 0x7 / 0xF."""
     from fusion_pass import ops, runtime
-    from fusion_pass.runtime import counters, guard
+    from fusion_pass.runtime import counters
     from fusion_pass.runtime import BatchSpec, RequestSpec
 
     heads, kv_heads, dim = (8, 2, 128) if CUDA else (2, 1, 32)

@@ -1,8 +1,7 @@
-"""The run-time guard of the fused attention -> NVFP4 call, the backends, and the ops' NVFP4 path."""
+"""The run-time guard of the fused attention -> NVFP4 call and the ops' NVFP4 path through it (the backends:
+test_backends.py)."""
 
-import importlib.util
 import logging
-import types
 
 import pytest
 import torch
@@ -11,12 +10,8 @@ import fusion_pass  # noqa: F401  (registers the ops)
 from fusion_pass import nvfp4, runtime
 from fusion_pass.runtime import backends, counters, guard, row_plan, settings
 from fusion_pass.ops import scaled_fp4_quant
-
-OPS = torch.ops.fusion_pass
-CPU = torch.device("cpu")
-MLA_DIMS = dict(num_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32)
-GQA_DIMS = dict(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
-
+from layer_cases import (CPU, GS, OPS, SPECS, cuda_backend_reason, decide, dense_causal, mla_layer,  # noqa: F401
+                         nvfp4_buffers, padding_mask)
 
 @pytest.fixture(autouse=True)
 def _clean_state(clean_backend_state):
@@ -24,122 +19,6 @@ def _clean_state(clean_backend_state):
 
 
 # ---------------------------------------------------------------- layers and op helpers
-
-
-class Layer:
-    """A registered runtime impl plus the op that drives it."""
-
-    def __init__(self, name, impl, op, make_inputs):
-        self.name, self.impl, self.op, self._make_inputs = name, impl, op, make_inputs
-
-    @property
-    def width(self):
-        return self.impl.num_heads * self.impl.v_head_dim
-
-    def inputs(self, t, seed=0, dtype=torch.bfloat16):
-        return self._make_inputs(t, torch.Generator().manual_seed(seed), dtype)
-
-    def attention32(self, specs_and_inputs):
-        """float32 attention of the last batch, replaying every batch on a fresh cache."""
-        self.impl.clear_cache()
-        out = None
-        for spec, inputs in specs_and_inputs:
-            out = self.impl.forward(*inputs, spec)
-        return out.reshape(out.shape[0], -1)
-
-    def call(self, spec, inputs, gs, *, poison=(0xAB, 0xFF)):
-        """Run the NVFP4 form of the op on poisoned buffers; return (output, block scale bytes)."""
-        t = spec.num_tokens
-        output = torch.full((t, self.width // 2), poison[0], dtype=torch.uint8)
-        rows, cols = nvfp4.scale_shape(t, self.width)
-        block_scale = torch.full((rows, cols // 4), 0, dtype=torch.int32)
-        block_scale.view(torch.uint8).fill_(poison[1])
-        with runtime.batch(spec):
-            self.op(*inputs, output, self.name, gs, block_scale)
-        return output, block_scale.view(torch.uint8).view(rows, cols)
-
-    def call_unfused(self, spec, inputs, gs):
-        """The unfused graph: attention op with query-dtype output, then the scaled_fp4_quant wrapper."""
-        t = spec.num_tokens
-        out = torch.empty(t, self.width, dtype=inputs[0].dtype)
-        with runtime.batch(spec):
-            self.op(*inputs, out, self.name)
-        packed, scales = scaled_fp4_quant(out, gs)
-        return packed, scales.view(torch.uint8)
-
-
-def _mla_layer():
-    d = MLA_DIMS
-    g = torch.Generator().manual_seed(123)
-    h, nope, v, lora = d["num_heads"], d["qk_nope_head_dim"], d["v_head_dim"], d["kv_lora_rank"]
-    weight = torch.randn(h * (nope + v), lora, generator=g) * lora**-0.5
-    impl = runtime.MLAAttentionImpl(**d, kv_b_proj_weight=weight, softmax_scale=(nope + d["qk_rope_head_dim"]) ** -0.5)
-
-    def make(t, gen, dtype):
-        rope = d["qk_rope_head_dim"]
-        return (
-            torch.randn(t, h, nope + rope, generator=gen).to(dtype),
-            torch.randn(t, lora, generator=gen).to(dtype),
-            torch.randn(t, 1, rope, generator=gen).to(dtype),
-        )
-
-    return impl, OPS.mla_attention_with_output, make
-
-
-def _gqa_layer():
-    d = GQA_DIMS
-    impl = runtime.AttentionImpl(**d, softmax_scale=d["head_dim"] ** -0.5)
-
-    def make(t, gen, dtype):
-        return (
-            torch.randn(t, d["num_heads"], d["head_dim"], generator=gen).to(dtype),
-            torch.randn(t, d["num_kv_heads"], d["head_dim"], generator=gen).to(dtype),
-            torch.randn(t, d["num_kv_heads"], d["v_head_dim"], generator=gen).to(dtype),
-        )
-
-    return impl, OPS.attention_with_output, make
-
-
-@pytest.fixture(params=["mla", "gqa"])
-def layer(request):
-    impl, op, make = _mla_layer() if request.param == "mla" else _gqa_layer()
-    name = f"test_guard.{request.param}"
-    runtime.register_layer(name, impl)
-    yield Layer(name, impl, op, make)
-    runtime.unregister_layer(name)
-
-
-def _padding_mask(t, width):
-    """bool [rows, cols] over the swizzled scale buffer: True where (row, column) is padding."""
-    rows, cols = nvfp4.scale_shape(t, width)
-    n_blocks = width // nvfp4.BLOCK_SIZE
-    m = torch.arange(t).unsqueeze(1)
-    c = torch.arange(n_blocks).unsqueeze(0)
-    real = torch.zeros(rows * cols, dtype=torch.bool)
-    real[nvfp4.swizzled_offset(m, c, n_blocks).reshape(-1)] = True
-    return (~real).view(rows, cols)
-
-
-GS = torch.tensor([40.0])
-
-
-# ---------------------------------------------------------------- guard decisions per batch kind
-
-SPECS = {
-    "prefill": runtime.BatchSpec.from_lens([5, 3]),
-    "decode": runtime.BatchSpec.from_lens([1, 1], [4, 7]),
-    "mixed": runtime.BatchSpec.from_lens([1, 6], [3, 0]),
-    "chunked": runtime.BatchSpec.from_lens([5, 4], [0, 6]),
-    "decodes+chunked": runtime.BatchSpec.from_lens([1, 5], [2, 4]),
-    "dcp2": runtime.BatchSpec.from_lens([5, 3], dcp_world_size=2),
-    "chunked+dcp2": runtime.BatchSpec.from_lens([5], [4], dcp_world_size=2),
-}
-
-
-def _decide(spec, **overrides):
-    kwargs = dict(device=CPU, dtype=torch.bfloat16, num_heads=2, qk_head_dim=24, v_head_dim=16)
-    kwargs.update(overrides)
-    return guard.decide(guard.BatchRows.from_spec(spec), guard.LayerShape(**kwargs))
 
 
 @pytest.mark.parametrize(
@@ -156,7 +35,7 @@ def _decide(spec, **overrides):
 )
 def test_decision_per_batch_kind(kind, path, reason, backend, post_quantized):
     spec = SPECS[kind]
-    decision = _decide(spec)
+    decision = decide(spec)
     assert (decision.path, decision.reason, decision.backend) == (path, reason, backend)
     assert decision.fused == (path == "fused")
     assert decision.detail
@@ -175,16 +54,16 @@ def test_a_backend_without_cached_context_fuses_the_other_prefills_only(monkeypa
     monkeypatch.setattr(backends, "select_backend", lambda *a, **k: (_NoContextBackend(), "stub backend"))
     # decode + one chunked prefill: no prefill row to fuse
     spec = SPECS["decodes+chunked"]
-    decision = _decide(spec)
+    decision = decide(spec)
     assert (decision.path, decision.reason) == ("fallback", "chunked_prefill")
     assert decision.post_quantized == {"chunked_prefill": spec.num_tokens} and decision.fused_tokens == 0
     assert "backend stub runs prefills without cached context only" in decision.detail
     # a new prefill (5 rows) beside a chunked one (4 rows): the new one is fused, the chunked one post-quantized
-    partial = _decide(SPECS["chunked"])
+    partial = decide(SPECS["chunked"])
     assert (partial.path, partial.backend, partial.fused) == ("partial", "stub", True)
     assert (partial.prefill_tokens, partial.fused_tokens) == (9, 5)
     assert partial.post_quantized == {"chunked_prefill": 4}
-    mixed = _decide(SPECS["mixed"])  # no context: the same backend fuses every prefill row of a mixed batch
+    mixed = decide(SPECS["mixed"])  # no context: the same backend fuses every prefill row of a mixed batch
     assert (mixed.path, mixed.backend, mixed.post_quantized) == ("fused", "stub", {"decode_tokens": 1})
 
 
@@ -314,7 +193,7 @@ def test_every_output_byte_is_written_and_scale_padding_is_zero(layer, kind):
     for output, scales in results[1:]:
         assert torch.equal(output, results[0][0]) and torch.equal(scales, results[0][1])
     scales = results[0][1]
-    padding = _padding_mask(spec.num_tokens, layer.width)
+    padding = padding_mask(spec.num_tokens, layer.width)
     assert bool((scales[padding] == 0).all())
     assert bool((scales[~padding] != 0).all())  # real blocks of random data have non-zero scales
     counts = counters.counters()
@@ -379,11 +258,6 @@ def test_counters_snapshot_is_a_copy_and_record_rejects_bad_paths():
 # ---------------------------------------------------------------- buffer validation
 
 
-def _buffers(t, width):
-    rows, cols = nvfp4.scale_shape(t, width)
-    return torch.empty(t, width // 2, dtype=torch.uint8), torch.empty(rows, cols // 4, dtype=torch.int32)
-
-
 @pytest.mark.parametrize(
     "bad, match",
     [
@@ -398,12 +272,12 @@ def _buffers(t, width):
     ],
 )
 def test_bad_nvfp4_buffers_are_rejected_before_any_attention(bad, match):
-    impl, op, make = _mla_layer()
+    impl, op, make = mla_layer()
     runtime.register_layer("test_guard.bad", impl)
     try:
         t, width = 4, 32
         inputs = make(t, torch.Generator().manual_seed(0), torch.bfloat16)
-        output, block_scale = _buffers(t, width)
+        output, block_scale = nvfp4_buffers(t, width)
         gs = GS
         if bad == "output_dtype":
             output = output.view(torch.int8)
@@ -447,214 +321,13 @@ def test_width_not_divisible_by_16_is_rejected():
 # ---------------------------------------------------------------- backends: listing, detection, configuration
 
 
-def test_backends_lists_all_three_in_order_with_reasons():
-    listing = backends.list_backends()
-    assert [b["name"] for b in listing] == ["fa4", "triton", "reference"]
-    assert all(isinstance(b["available"], bool) and b["reason"] for b in listing)
-    fa4, triton, reference = listing
-    assert reference["available"] is True
-    if importlib.util.find_spec("flash_attn") is None:
-        assert fa4 == {"name": "fa4", "available": False,
-                       "reason": "flash_attn.cute is not installed (pip install 'attn-nvfp4-fusion[fa4]')"}
-    if not torch.cuda.is_available():
-        assert fa4["available"] is False and triton["available"] is False
-        if importlib.util.find_spec("fusion_pass.kernels") is None:
-            assert triton["reason"] == "fusion_pass.kernels (the Triton kernels) is not part of this build"
-        elif importlib.util.find_spec("triton") is None:
-            assert triton["reason"] == "triton is not installed"
-        else:
-            assert triton["reason"] == "no CUDA device"
-
-
-def test_availability_is_cached(monkeypatch):
-    backends.refresh()
-    backends.list_backends()
-    calls = []
-    try:
-        with monkeypatch.context() as m:
-            m.setattr(backends.fa4, "_import_fa4", lambda: calls.append("fa4") or (None, "x"))
-            m.setattr(backends.triton, "triton_availability", lambda: calls.append("triton") or (False, "x"))
-            for _ in range(3):
-                backends.list_backends()
-                _decide(SPECS["prefill"])
-            assert calls == []
-            backends.refresh()
-            assert backends.get_backend("fa4").available() == (False, "x")
-            assert backends.get_backend("triton").available() == (False, "x")
-            assert calls == ["fa4", "triton"]
-    finally:
-        backends.refresh()  # drop the fakes' cached results
-
-
-def _fake_fa4_module(with_args=("out", "output_scale", "output_scales")):
-    params = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal"]
-    src = "def flash_attn_varlen_func({}):\n    pass\n".format(", ".join(f"{p}=None" for p in params + list(with_args)))
-    module = types.ModuleType("flash_attn.cute")
-    exec(src, module.__dict__)
-    return module
-
-
-def test_fa4_detection_branches():
-    assert backends.fa4_availability(None, (10, 0)) == (False, "flash_attn.cute is not installed")
-    assert backends.fa4_availability(None, (10, 0), import_error="flash_attn.cute failed to import: boom") == (
-        False, "flash_attn.cute failed to import: boom")
-    ok, why = backends.fa4_availability(types.ModuleType("flash_attn.cute"), (10, 0))
-    assert not ok and why == "installed flash_attn.cute has no flash_attn_varlen_func"
-
-    # a released FA4 (FP8 output only): out and output_scale, no output_scales
-    ok, why = backends.fa4_availability(_fake_fa4_module(("out", "output_scale")), (10, 0))
-    assert not ok
-    assert why.startswith("installed flash_attn.cute.flash_attn_varlen_func has no NVFP4 output arguments "
-                          "(out/output_scale/output_scales)")
-    assert why.endswith("missing: output_scales")
-    ok, why = backends.fa4_availability(_fake_fa4_module(()), (10, 0))
-    assert not ok and why.endswith("missing: out, output_scale, output_scales")
-
-    nvfp4_fa4 = _fake_fa4_module()
-    assert backends.fa4_availability(nvfp4_fa4, (9, 0)) == (False, "needs an SM100/SM110 GPU, found sm_90")
-    assert backends.fa4_availability(nvfp4_fa4, (12, 0)) == (False, "needs an SM100/SM110 GPU, found sm_120")
-    assert backends.fa4_availability(nvfp4_fa4, None) == (False, "no CUDA device")
-    ok, why = backends.fa4_availability(nvfp4_fa4, (10, 0), has_fp4_dtype=False)
-    assert not ok and "float4_e2m1fn_x2" in why
-    for capability in ((10, 0), (11, 0)):
-        ok, why = backends.fa4_availability(nvfp4_fa4, capability, has_fp4_dtype=True)
-        assert ok and f"sm_{capability[0]}0" in why
-    # the function itself may be passed instead of the module
-    assert backends.fa4_availability(nvfp4_fa4.flash_attn_varlen_func, (10, 0), has_fp4_dtype=True)[0]
-
-
-def test_triton_detection_branches():
-    def find_spec(found):
-        return lambda name: object() if found else None
-
-    def importer(triton_ok=True, kernels=None):
-        def import_module(name):
-            if name == "triton":
-                if not triton_ok:
-                    raise ImportError("No module named 'triton'")
-                return types.SimpleNamespace(__version__="3.6.0")
-            return kernels
-
-        return import_module
-
-    avail = backends.triton_availability
-    assert avail(find_spec=find_spec(False), import_module=importer(), cuda_available=lambda: True) == (
-        False, f"{backends.triton.TRITON_KERNEL_MODULE} (the Triton kernels) is not part of this build")
-    assert avail(find_spec=find_spec(True), import_module=importer(False), cuda_available=lambda: True) == (
-        False, "triton is not installed")
-    assert avail(find_spec=find_spec(True), import_module=importer(), cuda_available=lambda: False) == (
-        False, "no CUDA device")
-    def broken(name):
-        if name == "triton":
-            return types.SimpleNamespace(__version__="3.6.0")
-        raise ImportError("boom")
-
-    ok, why = avail(find_spec=find_spec(True), import_module=broken, cuda_available=lambda: True)
-    assert not ok and backends.triton.TRITON_KERNEL_MODULE in why and "boom" in why
-    ok, why = avail(find_spec=find_spec(True), import_module=importer(kernels=types.SimpleNamespace()),
-                    cuda_available=lambda: True)
-    assert ok and "3.6.0" in why
-
-
-def test_supports():
-    ref, fa4, triton = (backends.get_backend(n) for n in ("reference", "fa4", "triton"))
-    assert ref.supports(CPU, torch.float32, 2, 24, 16) == (True, "ok")
-    assert not ref.supports(CPU, torch.float64, 2, 24, 16)[0]
-    assert not ref.supports(CPU, torch.bfloat16, 1, 8, 8)[0]
-    for backend in (fa4, triton):
-        ok, why = backend.supports(CPU, torch.bfloat16, 128, 192, 128)
-        assert not ok and "CUDA devices only" in why
-        ok, why = backend.supports(torch.device("cuda", 0), torch.float32, 128, 192, 128)
-        assert not ok and "float32" in why
-
-
-def test_fa4_call_kwargs_builds_views_of_the_op_buffers():
-    t, h, dv = 130, 4, 32
-    output, block_scale = _buffers(t, h * dv)
-    q = torch.randn(t, h, 48, dtype=torch.bfloat16)
-    k = torch.randn(t, h, 48, dtype=torch.bfloat16)
-    v = torch.randn(t, h, dv, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 100, 130], dtype=torch.int32)
-    kw = backends.fa4_call_kwargs(output, GS, block_scale, q=q, k=k, v=v, cu_seqlens=cu, max_seqlen=100,
-                                  softmax_scale=0.125, num_heads=h, v_head_dim=dv)
-    assert set(kw) == {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                       "softmax_scale", "causal", "out", "output_scale", "output_scales"}
-    assert kw["out"].dtype == torch.float4_e2m1fn_x2 and kw["out"].shape == (t, h, dv // 2)
-    assert kw["out"].data_ptr() == output.data_ptr()
-    assert kw["output_scale"] is GS
-    assert kw["output_scales"].dtype == torch.float8_e4m3fn and kw["output_scales"].shape == (256, 8)
-    assert kw["output_scales"].data_ptr() == block_scale.data_ptr()
-    assert kw["q"] is q and kw["k"] is k and kw["v"] is v
-    assert kw["cu_seqlens_q"] is cu and kw["cu_seqlens_k"] is cu
-    assert kw["max_seqlen_q"] == kw["max_seqlen_k"] == 100
-    assert kw["softmax_scale"] == 0.125 and kw["causal"] is True
-    # writes through the views land in the op's buffers
-    kw["output_scales"].view(torch.uint8)[1, 2] = 7
-    assert block_scale.view(torch.uint8).view(256, 8)[1, 2] == 7
-
-
-def _dense_causal(q, k, v, cu, scale):
-    """float32 causal attention per sequence of a varlen batch (GQA by head grouping)."""
-    out = []
-    bounds = cu.tolist()
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        o, _ = runtime.dense_attention(q[s:e].float(), k[s:e].float(), v[s:e].float(), scale=scale, causal=True)
-        out.append(o)
-    return torch.cat(out)
-
-
-def test_fa4_run_path_with_an_injected_kernel(layer):
-    """FA4Backend.run end to end on the CPU with a PyTorch stand-in for the FA4 kernel.
-
-    The stand-in writes only the scales of real rows/columns, so the zero padding
-    must come from the backend."""
-    seen = {}
-
-    def fake_varlen(**kw):
-        seen.update(kw)
-        o = _dense_causal(kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"], kw["softmax_scale"])
-        seen["attn"] = o
-        t = o.shape[0]
-        packed, scales = nvfp4.quantize(o.reshape(t, -1), kw["output_scale"], swizzled=False)
-        kw["out"].view(torch.uint8).view(t, -1).copy_(packed)
-        n_blocks = scales.shape[1]
-        m, c = torch.arange(t).unsqueeze(1), torch.arange(n_blocks).unsqueeze(0)
-        flat = kw["output_scales"].view(torch.uint8).view(-1)
-        flat[nvfp4.swizzled_offset(m, c, n_blocks).reshape(-1)] = scales.view(torch.uint8).reshape(-1)
-
-    spec = runtime.BatchSpec.from_lens([9, 4])
-    inputs = layer.inputs(spec.num_tokens, seed=11)
-    t = spec.num_tokens
-    output = torch.full((t, layer.width // 2), 0xAB, dtype=torch.uint8)
-    rows, cols = nvfp4.scale_shape(t, layer.width)
-    block_scale = torch.full((rows, cols // 4), -1, dtype=torch.int32)
-    layer.impl.clear_cache()
-    row_plan.run_on_prefill(backends.FA4Backend(varlen_func=fake_varlen), layer.impl, inputs, spec, output, GS,
-                            block_scale)
-
-    assert seen["causal"] is True and seen["softmax_scale"] == layer.impl.softmax_scale
-    assert seen["cu_seqlens_q"].tolist() == [0, 9, 13] and seen["max_seqlen_q"] == 9
-    assert seen["q"].dtype == seen["k"].dtype == seen["v"].dtype == torch.bfloat16
-    # the cache was extended as impl.forward would have
-    assert layer.impl.cache_len("r0") == 9 and layer.impl.cache_len("r1") == 4
-    # the kernel's inputs describe the same attention (k/v rounded to bf16 for MLA)
-    attn32 = layer.attention32([(spec, inputs)])
-    torch.testing.assert_close(seen["attn"].reshape(t, -1), attn32, atol=3e-2, rtol=3e-2)
-    # bytes: what the kernel wrote, padding zero despite the 0xFF poison
-    packed, _ = nvfp4.quantize(seen["attn"].reshape(t, -1), GS)
-    assert torch.equal(output, packed)
-    scales = block_scale.view(torch.uint8).view(rows, cols)
-    padding = _padding_mask(t, layer.width)
-    assert bool((scales[padding] == 0).all()) and bool((scales[~padding] != 0).all())
-
-
 def test_prefill_qkv_feeds_the_same_attention_and_refuses_other_batches(layer):
     spec = runtime.BatchSpec.from_lens([6, 3])
     inputs = layer.inputs(spec.num_tokens, seed=2, dtype=torch.float32)
     layer.impl.clear_cache()
     q, k, v, _ = layer.impl.prefill_qkv(*inputs, spec)
     cu = torch.tensor(spec.query_start_loc())
-    attn = _dense_causal(q, k, v, cu, layer.impl.softmax_scale).reshape(spec.num_tokens, -1)
+    attn = dense_causal(q, k, v, cu, layer.impl.softmax_scale).reshape(spec.num_tokens, -1)
     # a follow-up batch sees the cache prefill_qkv wrote
     follow = runtime.BatchSpec.from_lens([1, 1], [6, 3])
     follow_inputs = layer.inputs(2, seed=4, dtype=torch.float32)
@@ -667,65 +340,7 @@ def test_prefill_qkv_feeds_the_same_attention_and_refuses_other_batches(layer):
         layer.impl.prefill_qkv(*inputs, SPECS["mixed"])
 
 
-def test_backend_env_variable(monkeypatch):
-    monkeypatch.setenv(settings.BACKEND_ENV, "reference")
-    assert settings.configured_backend() == "reference"
-    monkeypatch.setenv(settings.BACKEND_ENV, "Triton")
-    assert settings.configured_backend() == "triton"
-    assert _decide(SPECS["prefill"]).reason == "no_backend"
-    monkeypatch.setenv(settings.BACKEND_ENV, "cutlass")
-    with pytest.raises(ValueError, match=r"FUSION_PASS_BACKEND='cutlass' .* auto, fa4, triton, reference"):
-        settings.configured_backend()
-    with pytest.raises(ValueError, match="FUSION_PASS_BACKEND"):
-        _decide(SPECS["prefill"])
-    # set_backend takes precedence over the environment
-    with settings.use_backend("reference"):
-        assert _decide(SPECS["prefill"]).backend == "reference"
-    monkeypatch.delenv(settings.BACKEND_ENV)
-    assert settings.configured_backend() == "auto"
-
-
-def test_set_and_use_backend_restore_the_previous_choice():
-    assert settings.configured_backend() == "auto"
-    settings.set_backend("reference")
-    with settings.use_backend("triton"):
-        assert settings.configured_backend() == "triton"
-        with settings.use_backend("fa4"):
-            assert settings.configured_backend() == "fa4"
-        assert settings.configured_backend() == "triton"
-    assert settings.configured_backend() == "reference"
-    with pytest.raises(RuntimeError):
-        with settings.use_backend("auto"):
-            assert settings.configured_backend() == "auto"
-            raise RuntimeError
-    assert settings.configured_backend() == "reference"
-    with pytest.raises(ValueError, match="auto, fa4, triton, reference"):
-        settings.set_backend("flashinfer")
-    assert settings.configured_backend() == "reference"
-    settings.set_backend(None)
-    assert settings.configured_backend() == "auto"
-
-
-def test_select_backend_preferred_restricts_the_search():
-    backend, why = backends.select_backend("cpu", torch.bfloat16, 2, 24, 16)
-    assert backend.name == "reference" and why
-    backend, why = backends.select_backend(CPU, torch.bfloat16, 2, 24, 16, preferred="fa4")
-    assert backend is None and why.startswith("fa4: ") and "triton" not in why
-    backend, _ = backends.select_backend(CPU, torch.bfloat16, 2, 24, 16, preferred="reference")
-    assert backend is backends.get_backend("reference")
-    with pytest.raises(ValueError, match="unknown backend"):
-        backends.get_backend("cudnn")
-    assert all(isinstance(backends.get_backend(n), backends.Backend) for n in backends.BACKEND_ORDER)
-
-
 # ---------------------------------------------------------------- CUDA backends on every batch kind
-
-
-def _cuda_backend_reason(name):
-    if not torch.cuda.is_available():
-        return "needs a CUDA device (the fa4 / triton fused backends)"
-    ok, why = backends.get_backend(name).available()
-    return None if ok else f"backend {name} unavailable: {why}"
 
 
 @pytest.mark.parametrize("name", ["fa4", "triton"])
@@ -741,7 +356,7 @@ def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows
     Off the first step the unfused rows are the float32 runtime's, while the kernels round P and V (and for MLA
     the expanded K/V) to bf16 and accumulate in float32: each output is then within a few 2^-9 * max|v| of
     float32 attention; 2^-6 * max|v| is the margin added to the requantization bound."""
-    reason = _cuda_backend_reason(name)
+    reason = cuda_backend_reason(name)
     if reason:
         pytest.skip(reason)
     from fusion_pass.demo.workload import requantization_bound, rows_equal
@@ -825,7 +440,7 @@ def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows
                                                             impl.weights()[1]).abs().max()))
                     bound = requantization_bound(want_hat, gs) + 2.0**-6 * vmax
                     assert bool(((got_hat - want_hat).abs() <= bound).all()), f"{spec.kind}: prefill rows off"
-                    padding = _padding_mask(t, width).to("cuda")
+                    padding = padding_mask(t, width).to("cuda")
                     assert bool((scales[padding] == 0).all())
                 else:
                     assert after["fallback"].get(want, 0) - before["fallback"].get(want, 0) == 1
@@ -864,7 +479,7 @@ class _ClobberingKernelBackend:
     ([1, 4, 70, 3], [9, 6, 0, 0], "partial"),  # a decode, a chunk with context, new prefills
     ([1, 1, 2, 200], [9, 6, 0, 0], "fused"),  # rows cross into a second tile
 ])
-def test_fused_kernel_rows_and_post_quantized_rows_share_the_buffers(layer, monkeypatch, lens):
+def test_fused_kernel_rows_and_post_quantized_rows_share_thenvfp4_buffers(layer, monkeypatch, lens):
     """Decode rows and rows of prefills with context the backend does not run are written after the
     kernel (whose entry may clobber scale bytes of rows it does not own): byte-equal to the unfused
     graph; the kernel's rows within the requantization bound; every byte written; padding zero."""
@@ -899,7 +514,7 @@ def test_fused_kernel_rows_and_post_quantized_rows_share_the_buffers(layer, monk
     got_hat = nvfp4.dequantize(out, scales.view(torch.float8_e4m3fn), GS, m=t)
     want_hat = nvfp4.dequantize(ref[0], ref[1].view(torch.float8_e4m3fn), GS, m=t)
     assert bool(((got_hat - want_hat).abs() <= requantization_bound(want_hat, GS)).all())
-    assert bool((scales[_padding_mask(t, layer.width)] == 0).all())
+    assert bool((scales[padding_mask(t, layer.width)] == 0).all())
     counts = counters.counters()
     assert counts["fused_by_backend"] == {"clobbering": 4}
     fused_rows = sum(r.query_len for r in spec.requests if not r.is_decode and backends.base.fuses(fake, r.context_len))

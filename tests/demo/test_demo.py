@@ -21,7 +21,7 @@ def test_workload_covers_every_batch_kind_in_server_order():
 
 
 def test_demo_fuses_prefill_and_falls_back_byte_exact_elsewhere():
-    from fusion_pass.runtime import counters, guard
+    from fusion_pass.runtime import counters
 
     counters.reset_counters()  # the report's run-time counters are process-wide
     results, fusion = demo.run_demo(("mla",), tiny=True, layers=1)
@@ -49,7 +49,7 @@ def test_demo_fuses_prefill_and_falls_back_byte_exact_elsewhere():
 
 
 def test_time_prefill_times_each_prefill_step_from_its_caches():
-    from fusion_pass.runtime import counters, guard
+    from fusion_pass.runtime import counters
     from fusion_pass.demo.models import release_layers
 
     model = demo.build_model("gqa", tiny=True, layers=1)
@@ -119,7 +119,7 @@ def test_cli_demo_writes_json(tmp_path, capsys):
 
 
 def test_cli_demo_time_prints_the_timing_table(tmp_path, capsys):
-    from fusion_pass.runtime import counters, guard
+    from fusion_pass.runtime import counters
 
     path = tmp_path / "demo.json"
     counters.reset_counters()

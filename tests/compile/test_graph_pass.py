@@ -32,7 +32,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fusion_pass
 from fusion_pass import nvfp4, runtime
-from fusion_pass.runtime import backends, counters, guard, settings
+from fusion_pass.runtime import counters, settings
 from fusion_pass.demo import layers, models, workload as demo
 from fusion_pass.compile.graph_pass import FusionPass
 from fusion_pass.ops import scaled_fp4_quant
@@ -46,7 +46,7 @@ ATTENTION_OPS = (OPS.mla_attention_with_output.default, OPS.attention_with_outpu
 QUANT = OPS.scaled_fp4_quant.out
 GEMM = OPS.nvfp4_gemm.default
 VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 _names = itertools.count()
 

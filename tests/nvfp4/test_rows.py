@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import itertools
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +23,6 @@ import torch
 from fusion_pass import kernels, nvfp4
 from fusion_pass.kernels.triton import quantize as nvfp4_quant
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from row_buffers import POISON, expected, poisoned, row_of_scale_byte, scale_bytes  # noqa: E402
 

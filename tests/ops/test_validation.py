@@ -7,7 +7,6 @@ byte for byte, with a fresh run (cleared caches, the same history replayed).
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 
@@ -17,7 +16,7 @@ import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
 from fusion_pass import nvfp4, ops, runtime
-from fusion_pass.runtime import backends, counters, guard, row_plan, settings
+from fusion_pass.runtime import counters, guard, settings
 
 OPS = torch.ops.fusion_pass
 MLA_DIMS = dict(num_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, kv_lora_rank=32)

@@ -11,10 +11,7 @@ the full sequences, output, log-sum-exp and NVFP4 bytes.
 from __future__ import annotations
 
 import math
-import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +24,6 @@ from fusion_pass.kernels.fa4 import sm90 as fa4_sm90
 from fusion_pass.kernels.triton import flash_attention as fa
 from fusion_pass.kernels.triton import quantize as nvfp4_quant
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import context_cases  # noqa: E402
 from context_cases import ContextCase, ContextLimits, spans  # noqa: E402

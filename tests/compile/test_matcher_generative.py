@@ -59,18 +59,15 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import traceback
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import graph_cases  # noqa: E402
 from graph_cases import (CLONE, CONTIGUOUS, TO_FLOAT, VIEW_FP16, Case, finalize, op_as_strided,  # noqa: E402
@@ -78,7 +75,7 @@ from graph_cases import (CLONE, CONTIGUOUS, TO_FLOAT, VIEW_FP16, Case, finalize,
 
 import fusion_pass.runtime as runtime_module  # noqa: E402
 from fusion_pass import nvfp4, runtime  # noqa: E402
-from fusion_pass.runtime import backends, counters, guard, settings
+from fusion_pass.runtime import counters, settings
 from fusion_pass.compile.graph_pass import FusionPass  # noqa: E402
 from fusion_pass.ops import tap_gemm_inputs  # noqa: E402
 from fusion_pass.runtime import BatchSpec, RequestSpec  # noqa: E402

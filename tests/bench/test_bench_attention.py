@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "attention.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "attention.py"
 
 
 def _load():
