@@ -1,24 +1,20 @@
-"""Attention with half-precision or NVFP4 output, and NVFP4 quantization, on the GPU.
-
-Public entry points (every argument checked up front):
+"""The kernels' validated public entry points: attention with half-precision or NVFP4 output, NVFP4
+quantization and the NVFP4 attention-state merge. Every argument is checked before anything runs.
 
 * :func:`attention` -> ``[T, H, Dv]`` in the query dtype;
 * :func:`attention_nvfp4` -> ``(packed uint8 [T, H*Dv/2], scales float8_e4m3fn
-  [round_up(T, 128), round_up(H*Dv/16, 4)])`` in the layout of ``NVFP4.md``;
+  [round_up(T, 128), round_up(H*Dv/16, 4)])`` in the layout of docs/nvfp4.md;
 * :func:`attention_with_lse` -> ``(out float32 [T, H, Dv], lse float32 [T, H])``:
   partial results (e.g. over a chunk of cached context) to merge by their
   log-sum-exps;
-* :func:`quantize` -> the Triton NVFP4 quantizer, same bytes as
-  :func:`fusion_pass.nvfp4.quantize_reference`;
+* :func:`quantize` -> NVFP4 bytes equal to :func:`fusion_pass.nvfp4.quantize` (the Triton kernel for
+  CUDA tensors, the reference elsewhere);
 * :func:`quantize_rows_into`: the same quantizer writing ``M`` rows at a row
   offset into the buffers of a ``T``-row matrix, touching no other byte
-  (:func:`zero_scale_padding`, re-exported from :mod:`fusion_pass.nvfp4`, clears
-  the padding rows' scales once all rows are written);
-* :func:`flash_attention_nvfp4_varlen`: the ``triton`` fused backend's call,
-  writing into the attention op's buffers;
-* :func:`fa4_attention_varlen` / :func:`fa4_attention_nvfp4_varlen`
-  (:mod:`fusion_pass.kernels.fa4.sm90`): FlashAttention-4's SM90 forward, bf16/fp16
-  output or NVFP4 output through our epilogue (the ``fa4`` fused backend's call).
+  (:func:`fusion_pass.nvfp4.zero_scale_padding` clears the padding rows' scales once all rows are written);
+* :func:`merge_attention_nvfp4`: two partial attentions merged by log-sum-exp, written as NVFP4 rows.
+
+The run time's backends call the same kernels unvalidated through :mod:`fusion_pass.kernels.launchers`.
 
 Kernels take tensors and return tensors: nothing here knows of batches, guards or the run
 time's backends (who picks a kernel for a layer lives above, in :mod:`fusion_pass.runtime`).
@@ -51,6 +47,7 @@ Backends of the attention entry points (``backend=``):
     ``fa4`` when available for the tensors (SM90, FA4 importable, supported
     head dims), else ``triton`` for CUDA tensors, else ``reference``.
 """
+
 from __future__ import annotations
 
 import math
@@ -81,7 +78,6 @@ from fusion_pass.kernels.choice import (
 from fusion_pass.kernels.fa4.sm90 import fa4_attention_nvfp4_varlen, fa4_attention_varlen
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.nvfp4.checks import check_global_scale, check_rows_into, check_x, is_concrete
-from fusion_pass.nvfp4.reference import write_rows
 
 __all__ = [
     "attention",
@@ -304,12 +300,8 @@ def quantize_rows_into(
     fn = "quantize_rows_into"
     check_backend_name(fn, backend, QUANT_BACKENDS)
     check_rows_into(fn, x, global_scale, packed, scales, row_start)
-    if triton_or_reference(fn, backend, x.device) == "triton":
-        from fusion_pass.kernels.triton.quantize import quantize_rows_launch
-
-        quantize_rows_launch(x, global_scale, packed, scales, row_start)
-    else:
-        write_rows(x, global_scale, packed, scales, row_start)
+    launchers.quantize_rows(x, global_scale, packed, scales, row_start,
+                            backend=triton_or_reference(fn, backend, x.device))
 
 
 def merge_attention_nvfp4(
@@ -350,7 +342,7 @@ def merge_attention_nvfp4(
         w_a = exp(lse_a - m),  w_b = exp(lse_b - m)
         merged = (w_a * out_a + w_b * out_b) / (w_a + w_b)
 
-    then NVFP4 quantization of ``merged`` with ``global_scale`` (``NVFP4.md``). A part
+    then NVFP4 quantization of ``merged`` with ``global_scale`` (docs/nvfp4.md). A part
     with ``lse = -inf`` contributes ``+0``, so a row-head where both are ``-inf`` is
     ``+0``: packed bytes ``0x00`` and scale ``0`` when its whole block is such. NaN and
     infinity in the outputs as the quantizer's (docs/nvfp4.md "NaN and infinity"); an

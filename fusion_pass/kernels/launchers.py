@@ -98,10 +98,11 @@ def quantize_into(x: Tensor, global_scale: Tensor, packed: Tensor, scales: Tenso
     scales.view(torch.uint8).view(ref_scales.shape).copy_(ref_scales.view(torch.uint8))
 
 
-def quantize_rows(x: Tensor, global_scale: Tensor, packed: Tensor, scales: Tensor, row_start: int) -> None:
-    """:func:`fusion_pass.kernels.quantize_rows_into` unvalidated: the Triton launcher for CUDA tensors (the
-    global scale is not read back: no synchronization), the reference elsewhere."""
-    if x.is_cuda:
+def quantize_rows(x: Tensor, global_scale: Tensor, packed: Tensor, scales: Tensor, row_start: int,
+                  backend: str | None = None) -> None:
+    """:func:`fusion_pass.kernels.quantize_rows_into` unvalidated: the Triton launcher (``backend="triton"``, or
+    ``None`` and a CUDA tensor; the global scale is not read back: no synchronization), else the reference."""
+    if backend == "triton" or (backend is None and x.is_cuda):
         from fusion_pass.kernels.triton.quantize import quantize_rows_launch
 
         quantize_rows_launch(x, global_scale, packed, scales, row_start)

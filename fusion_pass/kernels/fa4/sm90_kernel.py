@@ -47,7 +47,7 @@ Tensors (T = total tokens of the varlen batch, H query heads, Dv = v head dim):
 * ``mOq``: uint8 ``[T, H*Dv/2]``, row-major; token ``t``, element ``h*Dv + d``; two e2m1 codes per byte,
   the even element in the low nibble. Written as one 8-byte store per block (needs ``H*Dv/2 % 8 == 0``).
 * ``mSF``: uint8, flat, the ``[round_up(T,128), round_up(H*Dv/16,4)]`` e4m3 block scales in the 128x4
-  swizzled layout (``NVFP4.md``). Only entries of rows ``< T`` are written.
+  swizzled layout (docs/nvfp4.md). Only entries of rows ``< T`` are written.
 * ``mGS``: float32 ``[1]``, the global scale, read on the device.
 * ``mCuSeqlensQ``, ``mCuSeqlensK``: int32 ``[B+1]`` (the same tensor when keys are the queries' own tokens; keys of context + new tokens otherwise, causal aligned to the end).
 

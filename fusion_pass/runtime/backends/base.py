@@ -14,7 +14,9 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["Backend", "HALF_DTYPES", "check_device_dtype", "fuses"]
+from fusion_pass.kernels import launchers
+
+__all__ = ["Backend", "HALF_DTYPES", "KernelBackend", "check_device_dtype", "fuses"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -82,3 +84,21 @@ def fuses(backend: Backend, context_len: int) -> bool:
     """Whether ``backend``'s fused kernel writes a prefill with ``context_len`` cached tokens: always without
     context, with context when the backend runs prefills with context (``handles_context``)."""
     return context_len == 0 or getattr(backend, "handles_context", False)
+
+
+class KernelBackend:
+    """The chunked-context kernels of a backend, by kernel family (:mod:`fusion_pass.kernels.launchers`):
+    :meth:`attention_lse` runs ``lse_kernel``'s attention with its log-sum-exp, :meth:`merge_nvfp4`
+    ``merge_kernel``'s NVFP4 merge. Subclasses set the two names and supply ``run_varlen``."""
+
+    lse_kernel: str
+    merge_kernel: str
+
+    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
+        return launchers.attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+                                                   softmax_scale=softmax_scale, causal=causal, backend=self.lse_kernel)
+
+    def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
+        launchers.merge_nvfp4_rows(self.merge_kernel, out_a, lse_a, out_b, lse_b, output_scale, packed, scales,
+                                   row_start)

@@ -23,7 +23,7 @@ from torch import Tensor
 from fusion_pass import nvfp4
 from fusion_pass.kernels import launchers
 from fusion_pass.kernels.fa4.sm90 import FA4_INSTALL_HINT, fa4_import_status, fa4_sm90_usable
-from fusion_pass.runtime.backends.base import HALF_DTYPES, check_device_dtype
+from fusion_pass.runtime.backends.base import HALF_DTYPES, KernelBackend, check_device_dtype
 
 __all__ = ["FA4Backend", "FA4_NVFP4_ARGS", "fa4_availability", "fa4_call_kwargs", "fa4_sm90_availability"]
 
@@ -79,7 +79,6 @@ def fa4_availability(
     if major not in (10, 11):
         return False, f"needs an SM100/SM110 GPU, found sm_{major}{minor}"
     return True, f"flash_attn.cute varlen forward with NVFP4 output on sm_{major}{minor}"
-
 
 
 def fa4_sm90_availability(
@@ -142,7 +141,6 @@ def fa4_status() -> tuple[bool, str]:
     return fa4_availability(module, capability)
 
 
-
 def fa4_call_kwargs(
     output: Tensor,
     output_scale: Tensor,
@@ -196,15 +194,16 @@ def fa4_call_kwargs(
     }
 
 
-class FA4Backend:
+class FA4Backend(KernelBackend):
     """FlashAttention-4 with NVFP4 output: our SM90 kernel on SM90, FA4's native
     NVFP4 output arguments on SM100/SM110 (module docstring).
 
     ``varlen_func`` replaces ``flash_attn.cute.flash_attn_varlen_func`` in the
-    SM100/SM110 path of :meth:`run` (tests inject a PyTorch stand-in; nothing else should).
+    SM100/SM110 path of :meth:`run_varlen` (tests inject a PyTorch stand-in; nothing else should).
     """
 
     name = "fa4"
+    lse_kernel, merge_kernel = "fa4", "triton"  # FA4's own forward for partial attentions, the Triton NVFP4 merge
     handles_context = True  # keys context + new tokens (cu_seqlens_k), see run_prefills
 
     def __init__(self, varlen_func: Callable[..., Any] | None = None) -> None:
@@ -234,19 +233,10 @@ class FA4Backend:
             return False, f"fa4's NVFP4 epilogue needs v_head_dim divisible by 16, got {v_head_dim}"
         return True, "ok"
 
-    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
-        """FA4's own forward with its log-sum-exp (output in the query dtype, returned as float32)."""
-        return launchers.attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
-                                                   softmax_scale=softmax_scale, causal=causal, backend="fa4")
-
-    def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
-        """The Triton NVFP4 merge kernel."""
-        launchers.merge_nvfp4_rows("triton", out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)
 
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
                    output_block_scale, *, cu_seqlens_k=None, max_seqlen_k=None) -> None:
-        """SM90: :func:`fusion_pass.kernels.fa4_attention_nvfp4_varlen` (it zeroes the scale
+        """SM90: :func:`fusion_pass.kernels.launchers.fa4_attention_nvfp4_varlen` (it zeroes the scale
         buffer's padding rows itself). SM100/SM110, untested here (no SM100 GPU and no FA4
         release with NVFP4 output exist in this project's environments): the scale buffer is
         zeroed first so its padding entries are zero whatever the kernel writes."""
@@ -281,4 +271,3 @@ class FA4Backend:
                 max_seqlen_k=max_seqlen_k,
             )
         )
-

@@ -7,11 +7,12 @@ import torch
 
 from fusion_pass import nvfp4
 from fusion_pass.kernels import launchers, reference
+from fusion_pass.runtime.backends.base import KernelBackend
 
 __all__ = ["ReferenceBackend"]
 
 
-class ReferenceBackend:
+class ReferenceBackend(KernelBackend):
     """PyTorch, any device: float32 attention per sequence, quantized directly from float32.
 
     Handles cached context (chunked prefill, prefix-cache hits) like the GPU backends: the row plan gives it
@@ -19,6 +20,7 @@ class ReferenceBackend:
     """
 
     name = "reference"
+    lse_kernel, merge_kernel = "reference", "reference"  # float32 attention per sequence and the reference merge
     handles_context = True
     kv_dtype = torch.float32  # keys and values as the layer's runtime computes them: no rounding to q's dtype
 
@@ -44,11 +46,3 @@ class ReferenceBackend:
         packed, scales = nvfp4.byte_views(output, output_block_scale, t)
         launchers.quantize_rows(out32.reshape(b - a, -1), output_scale, packed, scales, a)
         nvfp4.zero_scale_padding(scales, t, packed.shape[1] * 2)
-
-    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
-        """float32 attention per sequence and its log-sum-exp."""
-        return reference.varlen_attention(q, k, v, cu_seqlens, causal, softmax_scale, cu_seqlens_k)
-
-    def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
-        """float32 merge, then the reference quantizer into the rows."""
-        launchers.merge_nvfp4_rows("reference", out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)

@@ -12,7 +12,7 @@ import torch
 
 from fusion_pass import nvfp4
 from fusion_pass.kernels import launchers
-from fusion_pass.runtime.backends.base import HALF_DTYPES, check_device_dtype
+from fusion_pass.runtime.backends.base import HALF_DTYPES, KernelBackend, check_device_dtype
 
 __all__ = ["TRITON_KERNEL_MODULE", "TritonBackend", "triton_availability"]
 
@@ -54,7 +54,7 @@ def triton_status() -> tuple[bool, str]:
     return triton_availability()
 
 
-class TritonBackend:
+class TritonBackend(KernelBackend):
     """The project's Triton flash attention with an NVFP4 epilogue.
 
     Calls :func:`fusion_pass.kernels.launchers.flash_attention_nvfp4_varlen` with the row plan's
@@ -63,6 +63,7 @@ class TritonBackend:
     """
 
     name = "triton"
+    lse_kernel, merge_kernel = "triton", "triton"  # the Triton kernels for partial attentions and the NVFP4 merge
     handles_context = True  # keys context + new tokens (cu_seqlens_k), see run_prefills
 
     def available(self) -> tuple[bool, str]:
@@ -82,14 +83,3 @@ class TritonBackend:
             q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
             output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale,
             cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
-
-    def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
-        """The Triton kernel with a float32 output and its log-sum-exp."""
-        return launchers.attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
-                                                   softmax_scale=softmax_scale, causal=causal, backend="triton")
-
-    def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
-        """The Triton NVFP4 merge kernel."""
-        launchers.merge_nvfp4_rows("triton", out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)
-
