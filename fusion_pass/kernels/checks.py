@@ -103,6 +103,16 @@ def zero_nvfp4_scale_padding(scale_bytes: Tensor, t: int, width: int) -> None:
         scale_bytes.view(-1, col_tiles, 32, 4, 4)[:, -1, :, :, blocks % 4 :].zero_()
 
 
+def _lengths(fn: str, name: str, offsets: Tensor, what: str, total: int) -> list[int]:
+    """The sequence lengths of ``offsets`` (read back: one small copy), which must rise from 0 to ``total``."""
+    starts = offsets.tolist()
+    lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    if starts[0] != 0 or starts[-1] != total or min(lengths) < 0:
+        raise ArgumentError(f"{fn}: {name} must rise from 0 to {what} without decreasing, got {starts[:8]}"
+                            + (" ..." if len(starts) > 8 else ""))
+    return lengths
+
+
 def check_varlen(fn: str, q: Tensor, cu_seqlens, max_seqlen) -> list[int]:
     """Checks ``cu_seqlens``'s values too: one small device-to-host copy. Returns the sequence lengths."""
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
@@ -113,14 +123,7 @@ def check_varlen(fn: str, q: Tensor, cu_seqlens, max_seqlen) -> list[int]:
         raise ArgumentError(f"{fn}: cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ArgumentError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
-    starts = cu_seqlens.tolist()
-    t = q.shape[0]
-    lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    if starts[0] != 0 or starts[-1] != t or min(lengths) < 0:
-        raise ArgumentError(
-            f"{fn}: cu_seqlens must rise from 0 to T={t} without decreasing, got {starts[:8]}"
-            + (" ..." if len(starts) > 8 else "")
-        )
+    lengths = _lengths(fn, "cu_seqlens", cu_seqlens, f"T={q.shape[0]}", q.shape[0])
     if max(lengths) > max_seqlen:
         raise ArgumentError(f"{fn}: max_seqlen={max_seqlen} is smaller than the longest sequence ({max(lengths)})")
     return lengths
@@ -135,14 +138,7 @@ def check_varlen_k(fn: str, q: Tensor, k: Tensor, cu_seqlens, cu_seqlens_k, max_
     if cu_seqlens_k is None:
         return None
     check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
-    starts = cu_seqlens_k.tolist()
-    tk = k.shape[0]
-    lengths = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    if starts[0] != 0 or starts[-1] != tk or min(lengths) < 0:
-        raise ArgumentError(
-            f"{fn}: cu_seqlens_k must rise from 0 to Tk={tk} (k's tokens) without decreasing, got {starts[:8]}"
-            + (" ..." if len(starts) > 8 else "")
-        )
+    lengths = _lengths(fn, "cu_seqlens_k", cu_seqlens_k, f"Tk={k.shape[0]} (k's tokens)", k.shape[0])
     if max_seqlen_k is not None and max(lengths) > max_seqlen_k:
         raise ArgumentError(f"{fn}: max_seqlen_k={max_seqlen_k} is smaller than the longest key sequence ({max(lengths)})")
     if causal:
