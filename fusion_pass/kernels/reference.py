@@ -46,6 +46,11 @@ def dense_attention(
         ``(out, lse)``: float32 ``[Tq, H, Dv]`` and float32 ``[Tq, H]`` where
         ``lse = logsumexp_j(scale * q.k_j)`` over visible keys.  A row with no
         visible key gets ``out = 0`` and ``lse = -inf`` (never NaN).
+
+    Non-finite values: a key a query does not see (``causal``) contributes nothing to its row, whatever its
+    value holds (a NaN or Inf in a later token's value does not reach earlier rows). The values of the keys
+    a row sees combine as IEEE arithmetic combines them in ``P @ V``: a NaN makes the element NaN (so does an
+    Inf whose probability underflowed to 0), ``±Inf`` stays ``±Inf``, ``+Inf`` beside ``-Inf`` makes NaN.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
@@ -65,16 +70,54 @@ def dense_attention(
     # Group query heads by the key head they share: [Tq, Hk, H//Hk, D].
     scores = torch.einsum("qkgd,tkd->kgqt", qf.reshape(tq, hk, h // hk, d), kf)
     scores = scores.reshape(h, tq, tk) * scale
+    hidden = None
     if causal:
         qpos = torch.arange(tq, device=q.device).unsqueeze(1) + q_offset
         kpos = torch.arange(tk, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+        hidden = kpos > qpos  # [Tq, Tk]
+        scores = scores.masked_fill(hidden, float("-inf"))
 
     lse = torch.logsumexp(scores, dim=-1)  # [H, Tq]; -inf for rows with no visible key
     # exp(-inf - 0) = 0 for such rows instead of exp(-inf - -inf) = NaN.
     probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.einsum("vgqt,tvd->qvgd", probs.reshape(hv, h // hv, tq, tk), vf)
+    probs = probs.reshape(hv, h // hv, tq, tk)
+    # A masked key has probability 0, and 0 * NaN (or Inf) in P @ V would let a later token's non-finite value
+    # reach earlier rows: only when some key is masked (host ints) and v holds a non-finite value (one
+    # reduction) are those terms left out.
+    if hidden is not None and tq > 0 and tk - 1 > q_offset and not bool(torch.isfinite(vf).all()):
+        out = _masked_pv(probs, vf, ~hidden)
+    else:
+        out = torch.einsum("vgqt,tvd->qvgd", probs, vf)
     return out.reshape(tq, h, v.shape[2]), lse.transpose(0, 1).contiguous()
+
+
+def _masked_pv(probs: Tensor, vf: Tensor, visible: Tensor) -> Tensor:
+    """``P @ V`` (``probs [Hv, G, Tq, Tk]``, float32 ``vf [Tk, Hv, Dv]`` holding a non-finite value) without the
+    terms of keys ``visible [Tq, Tk]`` hides, as ``[Tq, Hv, G, Dv]``.
+
+    The finite values go through one matmul with the non-finite ones replaced by 0 (an element whose column of
+    ``v`` is finite gets exactly the plain product's value). The non-finite terms ``p * v`` of visible keys are
+    added by kind, as IEEE arithmetic combines them in the plain product: any NaN (``v`` NaN, or ``0 * ±Inf``
+    where ``p`` underflowed to 0), or ``+Inf`` beside ``-Inf``, makes NaN; else ``±Inf`` where some ``p > 0``
+    meets ``±Inf``. Counted by matmuls of indicators, so memory stays that of the scores."""
+    finite = torch.isfinite(vf)
+    out = torch.einsum("vgqt,tvd->qvgd", probs, torch.where(finite, vf, 0.0))
+    vis = visible.to(probs.dtype)  # [Tq, Tk]
+    seen = vis.expand_as(probs)
+    zero = (probs == 0).to(probs.dtype) * vis
+    positive = (probs > 0).to(probs.dtype) * vis
+    nan_v, inf_v = torch.isnan(vf).to(probs.dtype), torch.isinf(vf).to(probs.dtype)
+    pos_v, neg_v = torch.isposinf(vf).to(probs.dtype), torch.isneginf(vf).to(probs.dtype)
+
+    def count(weights: Tensor, indicator: Tensor) -> Tensor:
+        return torch.einsum("vgqt,tvd->qvgd", weights, indicator)
+
+    nan = (count(seen, nan_v) + count(zero, inf_v)) > 0
+    pos, neg = count(positive, pos_v) > 0, count(positive, neg_v) > 0
+    inf = torch.tensor(float("inf"), device=vf.device)
+    extra = torch.where(nan | (pos & neg), torch.tensor(float("nan"), device=vf.device),
+                        torch.where(pos, inf, torch.where(neg, -inf, 0.0)))
+    return torch.where(torch.isfinite(extra), out, out + extra)
 
 
 def merge_attention(

@@ -12,7 +12,7 @@ import numbers
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from fusion_pass.nvfp4.layout import BLOCK_SIZE, FP8, X_DTYPES, scale_shape
+from fusion_pass.nvfp4.layout import BLOCK_SIZE, FP8, GLOBAL_SCALE_MAX, X_DTYPES, scale_shape
 
 
 class ArgumentError(ValueError, TypeError):
@@ -31,8 +31,10 @@ def is_concrete(t: torch.Tensor) -> bool:
 def check_global_scale(fn: str, global_scale, device: torch.device, *, name: str = "global_scale",
                        check_value: bool = True) -> None:
     """``global_scale`` (called ``name`` by ``fn``) is a float32 tensor of one element on ``device`` and, when
-    ``check_value`` and the tensor holds readable data, its value is positive and finite. Reading the value
-    of a CUDA tensor synchronizes the device: callers on a hot path pass ``check_value=False`` there."""
+    ``check_value`` and the tensor holds readable data, its value is positive, finite and at most
+    :data:`~fusion_pass.nvfp4.layout.GLOBAL_SCALE_MAX` (above it ``gs / sf`` overflows for the smallest block
+    scales). Reading the value of a CUDA tensor synchronizes the device: callers on a hot path pass
+    ``check_value=False`` there."""
     what = name if name == "global_scale" else f"{name} (the global scale)"
     if not isinstance(global_scale, torch.Tensor):
         raise ArgumentError(f"{fn}: {what} must be a one-element float32 tensor, got {type(global_scale).__name__} "
@@ -49,6 +51,10 @@ def check_global_scale(fn: str, global_scale, device: torch.device, *, name: str
         value = global_scale.item()
         if not (math.isfinite(value) and value > 0):
             raise ArgumentError(f"{fn}: {what} must be positive and finite, got {value}")
+        if value > GLOBAL_SCALE_MAX:
+            raise ArgumentError(
+                f"{fn}: {what} must be at most {GLOBAL_SCALE_MAX!r} (float32 max * 2**-9, the largest global "
+                f"scale for which gs / sf is finite for every nonzero e4m3 block scale), got {value!r}")
 
 
 def check_x(fn: str, x: torch.Tensor, global_scale: torch.Tensor, *, check_value: bool = True) -> None:

@@ -17,6 +17,15 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn value; block scales saturate here."""
 
+E4M3_MIN_SUBNORMAL = 2.0**-9
+"""Smallest nonzero float8_e4m3fn magnitude: the smallest nonzero block scale."""
+
+GLOBAL_SCALE_MAX = torch.finfo(torch.float32).max * E4M3_MIN_SUBNORMAL
+"""Largest global scale (about 6.6e35, exactly ``(2 - 2**-23) * 2**118``) for which ``inv = gs / sf`` is a
+finite float32 for every nonzero block scale ``sf >= 2**-9``. Above it ``inv`` overflows to ``+Inf`` for blocks
+with the smallest scales and their codes are those of ``x * Inf`` (NaN for zeros): the checks refuse such a
+global scale where they read its value (docs/nvfp4.md, "Inputs")."""
+
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """Magnitudes of e2m1 codes 0..7 (codes 8..15 are the same values, negated)."""
 

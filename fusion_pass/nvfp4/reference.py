@@ -65,8 +65,8 @@ def quantize(
     Args:
         x: float16 / bfloat16 / float32 ``[..., K]`` with ``K % 16 == 0``; the
             leading dims are flattened into ``M`` rows.
-        global_scale: float32 tensor with exactly one positive finite element,
-            on ``x``'s device.
+        global_scale: float32 tensor with exactly one positive finite element, at
+            most :data:`~fusion_pass.nvfp4.layout.GLOBAL_SCALE_MAX`, on ``x``'s device.
         swizzled: scale layout, 128x4 swizzled (default) or linear.
 
     Returns:
@@ -155,7 +155,8 @@ def quantize_rows_into(
 
     Args:
         x: float16 / bfloat16 / float32 ``[M, K]``, ``K % 16 == 0``, any strides.
-        global_scale: float32 tensor with one positive finite element, on ``x``'s device.
+        global_scale: float32 tensor with one positive finite element (at most ``GLOBAL_SCALE_MAX``), on
+            ``x``'s device.
         packed: contiguous uint8 ``[T, K/2]`` on ``x``'s device; row ``r`` holds the
             codes of row ``r`` (element ``2j`` in the low nibble of byte ``j``).
         scales: contiguous 128x4 swizzled scale buffer of ``T`` rows on ``x``'s
@@ -168,7 +169,7 @@ def quantize_rows_into(
         TypeError: a non-tensor ``x`` / ``packed`` / ``scales``, ``x`` not float16 /
             bfloat16 / float32, ``global_scale`` not float32, ``row_start`` not an int.
         ValueError: a wrong shape, dtype, layout or device of a buffer, ``K % 16 != 0``,
-            a ``global_scale`` that is not one positive finite value, a row range
+            a ``global_scale`` that is not one positive finite value up to ``GLOBAL_SCALE_MAX``, a row range
             outside ``[0, T)``.
 
     NaN and infinity as in :func:`quantize`.
@@ -268,7 +269,7 @@ def dequantize(
         scales: float8_e4m3fn scale buffer, swizzled ``[R, round_up(K/16, 4)]``
             (``R`` a multiple of 128) or linear ``[R, K/16]``; an int32 tensor
             (vLLM's allocation, 4 scales per element) is viewed as fp8.
-        global_scale: float32 tensor with one positive finite element.
+        global_scale: float32 tensor with one positive finite element, at most ``GLOBAL_SCALE_MAX``.
         m: number of rows to decode (default ``packed.shape[0]``), an int
             (``bool`` is refused); must not exceed the rows of ``packed`` or of
             ``scales``.

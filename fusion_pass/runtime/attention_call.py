@@ -15,13 +15,15 @@ from fusion_pass import nvfp4
 from fusion_pass.kernels import launchers
 from fusion_pass.runtime import backends, counters, guard, row_plan, settings
 
-__all__ = ["run", "layer_shape"]
+__all__ = ["layer_shape", "run"]
 
 
-def layer_shape(impl, q: Tensor) -> guard.LayerShape:
-    """What a backend must support for ``impl`` (an MLA or standard runtime) called with ``q``."""
+def layer_shape(impl, q: Tensor, inputs: tuple = ()) -> guard.LayerShape:
+    """What a backend must support for ``impl`` (an MLA or standard runtime) called with ``q`` (and the call's
+    ``inputs``: the dtype of its key/value inputs when it is not q's)."""
     qk = impl.qk_nope_head_dim + impl.qk_rope_head_dim if hasattr(impl, "qk_nope_head_dim") else impl.head_dim
-    return guard.LayerShape(q.device, q.dtype, impl.num_heads, qk, impl.v_head_dim)
+    others = [x.dtype for x in inputs[1:] if x.dtype != q.dtype]
+    return guard.LayerShape(q.device, q.dtype, impl.num_heads, qk, impl.v_head_dim, others[0] if others else None)
 
 
 def _write_output(out: Tensor, dtype: torch.dtype, output: Tensor, output_scale, output_block_scale) -> None:
@@ -41,14 +43,17 @@ def _write_output(out: Tensor, dtype: torch.dtype, output: Tensor, output_scale,
     launchers.quantize_into(flat, output_scale, packed, scales, swizzled=True)
 
 
-def _half_prefill_kernel(impl, q: Tensor, spec) -> str | None:
+def _half_prefill_kernel(impl, q: Tensor, spec, inputs: tuple) -> str | None:
     """The kernel backend (``"fa4"`` or ``"triton"``) that computes a pure-prefill batch's attention in
     the query dtype on CUDA: the one the guard would pick for the fused call, so that the unfused path
-    and the fused one share their main loop. None: the layer's PyTorch runtime computes it."""
+    and the fused one share their main loop. None: the layer's PyTorch runtime computes it (also when a
+    key/value input is in another dtype than q: the kernels would round it, the runtime does not)."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and spec.num_decode_tokens == 0 and not spec.has_chunked_prefill):
         return None
-    shape = layer_shape(impl, q)
+    shape = layer_shape(impl, q, inputs)
+    if shape.kv_dtype is not None:
+        return None
     backend, _ = backends.select_backend(q.device, q.dtype, shape.num_heads, shape.qk_head_dim, shape.v_head_dim)
     return backend.name if backend is not None and backend.name in ("fa4", "triton") else None
 
@@ -60,7 +65,7 @@ def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
     forward or the Triton kernel; output in the query dtype, as a serving attention backend returns it);
     everything else runs the layer's PyTorch runtime (float32).
     """
-    name = _half_prefill_kernel(impl, q, spec)
+    name = _half_prefill_kernel(impl, q, spec, inputs)
     if name is None:
         return impl.forward(*inputs, spec)
     q, k, v, _ = impl.prefill_qkv(*inputs, spec)
@@ -74,7 +79,8 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale) -> 
     Without ``output_scale``: attention in the query dtype, not guarded (:func:`_attention`). With it (the
     global scale; NVFP4 output): :func:`fusion_pass.runtime.guard.decide` picks the rows; the fused rows run
     the selected backend through the row plan (attention quantized from float32), the others exactly the
-    unfused computation (attention rounded to the query dtype, then quantized);
+    unfused computation (attention rounded to the query dtype, then quantized); a call whose key/value inputs
+    are not in the query dtype is not fused by a backend that would round them (the guard's ``kv_dtype``);
     :func:`fusion_pass.runtime.counters.record` counts the call once it has completed. Should the computation
     fail part-way, the layer's cache is rolled back (``impl.cache.transaction()``).
     """
@@ -85,7 +91,7 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale) -> 
             out = _attention(impl, inputs, spec, q)
             _write_output(out, q.dtype, output, output_scale, output_block_scale)
         return
-    decision = guard.decide(guard.BatchRows.from_spec(spec), layer_shape(impl, q))
+    decision = guard.decide(guard.BatchRows.from_spec(spec), layer_shape(impl, q, inputs))
     with impl.cache.transaction():
         if decision.fused:
             row_plan.run_on_prefill(backends.get_backend(decision.backend), impl, inputs, spec, output, output_scale,

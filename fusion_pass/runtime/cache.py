@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -28,11 +29,52 @@ def positive_softmax_scale(value) -> float:
     return float(value)
 
 
+class _Log:
+    """What one transaction changed: per request id, the entry before the transaction's first change of it
+    (None: the id did not exist) and the entry the transaction last wrote."""
+
+    __slots__ = ("previous", "written")
+
+    def __init__(self) -> None:
+        self.previous: dict[str, tuple[torch.Tensor, ...] | None] = {}
+        self.written: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def note(self, request_id: str, previous, full) -> None:
+        self.previous.setdefault(request_id, previous)
+        self.written[request_id] = full
+
+    def absorb(self, inner: "_Log") -> None:
+        """Take over a finished nested transaction's changes (keeping this one's earlier previous entries)."""
+        for request_id, previous in inner.previous.items():
+            self.previous.setdefault(request_id, previous)
+        self.written.update(inner.written)
+
+
 class RequestCache:
-    """``request_id -> tuple of tensors`` whose dim 0 is the token axis."""
+    """``request_id -> tuple of tensors`` whose dim 0 is the token axis.
+
+    Safe to share between threads that run batches of different requests: each :meth:`transaction` undoes
+    only its own thread's changes (a thread-local stack of transaction logs)."""
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles hold the entries only (no lock, no open transaction)."""
+        return {"_entries": self.entries()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        self._entries = dict(state["_entries"])
+
+    def _logs(self) -> list[_Log]:
+        """The calling thread's open transactions, innermost last."""
+        logs = getattr(self._local, "logs", None)
+        if logs is None:
+            logs = self._local.logs = []
+        return logs
 
     def length(self, request_id: str) -> int:
         entry = self._entries.get(request_id)
@@ -47,14 +89,15 @@ class RequestCache:
         touched, so a failing batch changes nothing; reads only.
         """
         for r in spec.requests:
-            held = self.length(r.request_id)
+            entry = self._entries.get(r.request_id)
+            held = 0 if entry is None else entry[0].shape[0]
             if r.context_len > 0 and held != r.context_len:
                 raise ValueError(
                     f"request {r.request_id}: batch says context_len={r.context_len} "
                     f"but the cache holds {held} tokens"
                 )
             if device is not None and r.context_len > 0:
-                cached = self._entries[r.request_id][0].device
+                cached = entry[0].device
                 if cached != torch.device(device):
                     raise ValueError(
                         f"request {r.request_id}: its cached context is on {cached}, "
@@ -63,17 +106,34 @@ class RequestCache:
 
     @contextmanager
     def transaction(self) -> Iterator[None]:
-        """Undo every change made to the cache in the ``with`` body if the body raises.
+        """Undo the changes this thread's ``with`` body made to the cache if the body raises.
 
-        Cheap: entries are never modified in place (a step replaces them), so
-        the saved copy of the mapping shares the tensors.
+        Only the body's own changes: each :meth:`extend` inside it records the entry it replaces (per request
+        id, the first time), and a failure puts back exactly those entries (removing ids the body created),
+        leaving every other id alone, whatever other threads wrote meanwhile. An entry another thread has
+        replaced since the body last wrote it is left as that thread wrote it. Transactions nest: a
+        failing inner one undoes its own changes only; a finished inner one's changes become the outer one's.
+        Cheap: entries are never modified in place (a step replaces them), so the log shares the tensors.
         """
-        saved = dict(self._entries)
+        logs = self._logs()
+        log = _Log()
+        logs.append(log)
         try:
             yield
         except BaseException:
-            self._entries = saved
+            logs.pop()
+            with self._lock:
+                for request_id, previous in log.previous.items():
+                    if self._entries.get(request_id) is not log.written[request_id]:
+                        continue  # replaced since (clear, restore, another thread): not this body's to undo
+                    if previous is None:
+                        del self._entries[request_id]
+                    else:
+                        self._entries[request_id] = previous
             raise
+        logs.pop()
+        if logs:
+            logs[-1].absorb(log)
 
     def extend(
         self, request: RequestSpec, new: tuple[torch.Tensor, ...], *, owned: bool = False
@@ -82,26 +142,36 @@ class RequestCache:
         return the full entry (context followed by the new rows).
 
         ``owned=True`` says ``new`` are fresh tensors nobody else holds, so a
-        fresh entry may keep them instead of a copy.
+        fresh entry may keep them instead of a copy. Inside a :meth:`transaction`
+        the replaced entry is logged, to be put back should the transaction fail.
         """
+        request_id = request.request_id
         if request.context_len == 0:
             full = tuple(new) if owned else tuple(t.clone() for t in new)
         else:
-            old = self._entries[request.request_id]
+            old = self._entries[request_id]
             full = tuple(torch.cat([o, n]) for o, n in zip(old, new))
-        self._entries[request.request_id] = full
+        logs = self._logs()
+        with self._lock:
+            previous = self._entries.get(request_id)
+            self._entries[request_id] = full
+        if logs:
+            logs[-1].note(request_id, previous, full)
         return full
 
     def clear(self) -> None:
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
 
     def entries(self) -> dict[str, tuple[torch.Tensor, ...]]:
         """A copy of the mapping (sharing the tensors: entries are never modified in place)."""
-        return dict(self._entries)
+        with self._lock:
+            return dict(self._entries)
 
     def restore(self, entries: dict[str, tuple[torch.Tensor, ...]]) -> None:
         """Put back a mapping :meth:`entries` returned."""
-        self._entries = dict(entries)
+        with self._lock:
+            self._entries = dict(entries)
 
 
 ContextRows = Callable[[int, int], "tuple[Tensor, Tensor]"]

@@ -31,12 +31,14 @@ FALLBACK_REASONS = (
     "decode_tokens",
     "layer_not_supported",
     "no_backend",
+    "kv_dtype",
     "chunked_prefill",
 )
 """Why rows are post-quantized, in the order the guard checks them. ``decode_tokens`` also names the decode
 rows of a mixed batch whose prefill rows are fused; ``no_attention_metadata`` (vLLM's profile and dummy runs)
 and ``layer_not_supported`` (what vLLM's layer computes beyond plain causal attention) come from the vLLM
-adapter."""
+adapter; ``kv_dtype``: keys / values in another dtype than the query, which the selected backend would round
+to the query dtype (its ``kv_dtype`` is not float32)."""
 
 
 @dataclass(frozen=True)
@@ -67,13 +69,15 @@ class BatchRows:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """What a backend must support: the query's device and dtype and the layer's head dims."""
+    """What a backend must support: the query's device and dtype and the layer's head dims; ``kv_dtype`` the
+    dtype of the key/value inputs (MLA: the latents) when it is not the query's (None: the query's)."""
 
     device: torch.device | str
     dtype: torch.dtype
     num_heads: int
     qk_head_dim: int
     v_head_dim: int
+    kv_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     4. decode rows and ``decode_refusal`` (the caller cannot compute them apart): ``"decode_tokens"``;
     5. cached context and ``context_refusal`` (the caller cannot read it): ``"chunked_prefill"``;
     6. no backend is selected for ``layer``: ``"no_backend"`` with each backend's reason in ``detail``;
+    6b. ``layer.kv_dtype`` is set, not the query dtype, and the backend's ``kv_dtype`` is not float32 (it would
+       round the keys and values the unfused computation attends over as given): ``"kv_dtype"``;
     7. no prefill the backend runs (every prefill has cached context and the backend does not run such
        prefills; with ``allow_partial=False``, any prefill with context it does not run): ``"chunked_prefill"``.
 
@@ -151,6 +157,9 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
                                            layer.v_head_dim)
     if backend is None:
         return fallback("no_backend", why)
+    if layer.kv_dtype not in (None, layer.dtype) and getattr(backend, "kv_dtype", None) != torch.float32:
+        return fallback("kv_dtype", f"keys / values in {layer.kv_dtype} beside {layer.dtype} queries: backend "
+                                    f"{backend.name} computes attention with them in the query dtype")
     fused = sum(q for q, c in zip(rows.query_lens, rows.context_lens) if fuses(backend, c))
     context = ("" if fused == prefill else f"; {prefill - fused} row(s) of prefills with cached context "
                f"post-quantized: backend {backend.name} runs prefills without cached context only")

@@ -30,12 +30,14 @@ from torch import Tensor
 from fusion_pass import nvfp4
 from fusion_pass.kernels import launchers
 from fusion_pass.kernels.reference import merge_attention
+from fusion_pass.nvfp4.checks import is_int
 from fusion_pass.runtime.backends.base import fuses
 from fusion_pass.runtime.cache import ContextRows
 from fusion_pass.runtime.settings import check_token_count, context_workspace_tokens
 
 __all__ = [
-        "post_quantize_rows",
+    "check_prefills",
+    "post_quantize_rows",
     "run_on_prefill",
     "run_prefills",
     "varlen_meta",
@@ -115,6 +117,59 @@ def _context_chunks(context_lens: list[int], width: int):
         yield lo, hi, [max(0, min(b, hi) - max(a, lo)) for a, b in zip(starts[:-1], starts[1:])]
 
 
+def _lengths(name: str, values: Any) -> list[int]:
+    """``values`` as a list of host ints, else ValueError naming ``name``."""
+    if isinstance(values, (str, bytes)) or isinstance(values, Tensor) or not hasattr(values, "__len__"):
+        raise ValueError(f"run_prefills: {name} must be a list of ints (host ints, one per prefill), "
+                         f"got {type(values).__name__}")
+    bad = [x for x in values if not is_int(x)]
+    if bad:
+        raise ValueError(f"run_prefills: {name} must hold ints (host ints, one per prefill), got {bad[0]!r} "
+                         f"({type(bad[0]).__name__})")
+    return [int(x) for x in values]
+
+
+def check_prefills(q: Tensor, k: Tensor, v: Tensor, first_row: Any, query_lens: Any, context_lens: Any,
+                   context: ContextRows | None) -> tuple[list[int], list[int]]:
+    """:func:`run_prefills`' rows, checked before anything runs; returns ``(query_lens, context_lens)`` as lists
+    of Python ints. Host values only (shapes and ints): no device read.
+
+    ``query_lens`` and ``context_lens`` describe the same prefills (one entry each, at least one prefill), hold
+    ints (numpy integers accepted), ``query_lens >= 1`` and ``context_lens >= 0``; ``first_row`` is an int
+    ``>= 0``; ``k`` and ``v`` have ``sum(query_lens)`` rows; the prefills' rows ``[first_row, first_row +
+    sum(query_lens))`` lie in ``q``; ``context`` is given when ``sum(context_lens) > 0``. ValueError naming the
+    argument otherwise."""
+    query_lens = _lengths("query_lens", query_lens)
+    context_lens = _lengths("context_lens", context_lens)
+    if len(query_lens) != len(context_lens):
+        raise ValueError(f"run_prefills: query_lens and context_lens must describe the same prefills, got "
+                         f"{len(query_lens)} query_lens and {len(context_lens)} context_lens")
+    if not query_lens:
+        raise ValueError("run_prefills: query_lens must list at least one prefill, got none")
+    if min(query_lens) < 1:
+        raise ValueError(f"run_prefills: query_lens must be >= 1 (a prefill has new tokens), got {query_lens}")
+    if min(context_lens) < 0:
+        raise ValueError(f"run_prefills: context_lens must be >= 0, got {context_lens}")
+    if not is_int(first_row) or first_row < 0:
+        raise ValueError(f"run_prefills: first_row must be an int >= 0, got {first_row!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor) or x.dim() != 3:
+            got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"run_prefills: {name} must be a 3-D tensor [rows, heads, head_dim], got {got}")
+    rows = sum(query_lens)
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[0] != rows:
+            raise ValueError(f"run_prefills: {name} must have sum(query_lens) = {rows} rows (the prefills' new "
+                             f"tokens), got {x.shape[0]}")
+    if first_row + rows > q.shape[0]:
+        raise ValueError(f"run_prefills: first_row + sum(query_lens) = {first_row} + {rows} = {first_row + rows} "
+                         f"exceeds the {q.shape[0]} rows of q")
+    total_context = sum(context_lens)
+    if total_context and context is None:
+        raise ValueError(f"run_prefills: context_lens sum to {total_context} cached tokens but context is None")
+    return query_lens, context_lens
+
+
 def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: int, query_lens: list[int],
                  context_lens: list[int], context: ContextRows | None, softmax_scale: float,
                  output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
@@ -138,14 +193,17 @@ def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: in
     ``bound`` rows, each attended (non-causally) with its log-sum-exp and merged in float32, then the new
     tokens (causally), merged into NVFP4 by the backend's merge kernel.
 
+    Every argument describing the rows is checked first (:func:`check_prefills`: host ints, no device read):
+    a mismatch raises ValueError naming the argument before any kernel runs.
+
     Rows ``< first_row`` are not written; the scale padding (rows ``>= T``, padded columns) is zeroed. Rows
     written by anyone else go in after this call all the same (a backend's entry point may zero more).
     """
-    total_context = sum(context_lens)
+    query_lens, context_lens = check_prefills(q, k, v, first_row, query_lens, context_lens, context)
+    first_row = int(first_row)
     if workspace_tokens is not None:
         check_token_count("run_prefills(workspace_tokens)", workspace_tokens)
-    if total_context and context is None:
-        raise ValueError(f"run_prefills: context_lens sum to {total_context} cached tokens but context is None")
+    total_context = sum(context_lens)
     bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
     cu_q = _cu(query_lens, q.device, first_row)
     max_q = max(query_lens)

@@ -103,6 +103,45 @@ def test_quant_rounds_block_scales_like_the_e4m3_cast():
     assert torch.equal(scale_bytes(want).cpu(), targets.to(FP8).view(torch.uint8).view(-1, 1))
 
 
+@pytest.mark.parametrize("gs_value", [nvfp4.GLOBAL_SCALE_MAX, 2.0**100, 1e-20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_matches_reference_bytes_up_to_the_largest_global_scale(gs_value, dtype):
+    """Block scales from the smallest nonzero e4m3 (2**-9) to saturation, zero, NaN and Inf blocks, under
+    global scales up to :data:`nvfp4.GLOBAL_SCALE_MAX` (where ``gs / 2**-9`` is float32 max): the Triton
+    quantizer writes the reference's bytes; above it the entry points refuse the global scale."""
+    gen, seed = fresh_generator()
+    m, k = 24, 64
+    gs = torch.tensor([gs_value], device=DEVICE)
+    # per block the unrounded scale t = gs * amax / 6, log-uniform over [2**-11, 2**10]: subnormal to saturated
+    t = torch.exp2(torch.rand(m, k // 16, 1, generator=gen) * 21 - 11)
+    amax = (t * 6 / gs_value).to(torch.float32)
+    x = (torch.rand(m, k // 16, 16, generator=gen) * 2 - 1) * amax
+    # no subnormal input (Triton's interpreter converts bfloat16 subnormals inexactly; not the point here)
+    x = torch.where(x.abs() < 2.0**-126, 0.0, x).reshape(m, k)
+    x[0, :16] = 0.0
+    x[1, 16:32] = -0.0
+    x[2, 3], x[3, 40] = float("nan"), float("inf")
+    x[4, :16] = amax[4, 0, 0]
+    x[4, 5] = 0.0
+    x = x.to(dtype)  # bfloat16 keeps float32's exponent range: the tiny blocks survive the cast
+    x = torch.where(x.float().abs() < 2.0**-126, 0.0, x.float()).to(dtype).to(DEVICE)
+    want_packed, want_scales = nvfp4.quantize(x, gs)
+    got_packed, got_scales = nvfp4_quant.quantize_launch(x, gs)
+    assert torch.equal(scale_bytes(got_scales), scale_bytes(want_scales)), f"block scales differ (seed {seed})"
+    assert torch.equal(got_packed, want_packed), f"packed codes differ (seed {seed})"
+    assert torch.equal(scale_bytes(kernels.quantize(x, gs)[1]), scale_bytes(want_scales))
+    if gs_value == nvfp4.GLOBAL_SCALE_MAX:
+        assert bool((scale_bytes(want_scales) == 0x01).any()), "some block has the smallest nonzero scale"
+        above = torch.nextafter(gs, torch.tensor([math.inf], device=DEVICE))
+        calls = [lambda: kernels.quantize_rows_into(x, above, torch.empty_like(want_packed),
+                                                    torch.empty_like(scale_bytes(want_scales)), 0)]
+        if not x.is_cuda:  # on CUDA kernels.quantize does not read the global scale back (no synchronization)
+            calls.append(lambda: kernels.quantize(x, above))
+        for call in calls:
+            with pytest.raises(ValueError, match=r"global_scale must be at most"):
+                call()
+
+
 def test_quant_entry_point_flattens_and_checks():
     gen, seed = fresh_generator()
     x = randn(gen, 3, 5, 32, dtype=torch.bfloat16)

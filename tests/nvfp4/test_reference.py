@@ -543,6 +543,62 @@ def test_cuda_matches_cpu(dtype):
 
 
 # --------------------------------------------------------------------------
+# The largest global scale
+# --------------------------------------------------------------------------
+
+GS_MAX = torch.tensor([nvfp4.GLOBAL_SCALE_MAX])
+GS_ABOVE = torch.nextafter(GS_MAX, torch.tensor([math.inf]))
+
+
+def test_global_scale_limit_is_float32_max_times_the_smallest_block_scale():
+    f32_max = torch.finfo(torch.float32).max
+    assert nvfp4.GLOBAL_SCALE_MAX == f32_max * 2.0**-9 == (2 - 2.0**-23) * 2.0**118
+    assert GS_MAX.item() == nvfp4.GLOBAL_SCALE_MAX  # a float32 value
+    smallest = torch.tensor(2.0**-9)  # the smallest nonzero e4m3 value
+    assert smallest.to(FP8).float() == smallest and torch.tensor(2.0**-10).to(FP8).float() == 0
+    assert torch.isfinite(GS_MAX / smallest).all() and torch.isinf(GS_ABOVE / smallest).all()
+
+
+def test_the_largest_global_scale_gives_the_contract_codes():
+    """At the limit a block whose scale is the smallest nonzero e4m3 (2**-9) gets the codes of
+    ``x * (gs / 2**-9)``, finite in float32: zeros stay code 0 / 8, no NaN- or Inf-derived code."""
+    tiny = 2.0**-126  # float32's smallest normal: gs * 1.5 * tiny / 6 = (1 - 2**-24) * 2**-9
+    x = torch.zeros(1, 32)
+    x[0, :6] = torch.tensor([0.0, 1.5 * tiny, -tiny, -0.0, 1.25 * tiny, -1.5 * tiny])
+    x[0, 16:] = 1.0  # a saturating block beside it: gs * 1 / 6 > 448
+    packed, scales = quantize(x, GS_MAX, swizzled=False)
+    assert scales.view(torch.uint8).tolist() == [[0x01, 0x7E]]  # 2**-9 and 448
+    # x * inv with inv = float32 max: 1.5 * tiny -> 6 (0x7), tiny -> 3.9999998 -> 4 (0x6), 1.25 * tiny -> 5 - ulp
+    # -> 4 (0x6); zeros keep their sign (0x0, 0x8); the saturating block's elements -> 6 (0x7)
+    assert unpack_codes(packed)[0].tolist() == [0x0, 0x7, 0xE, 0x8, 0x6, 0xF] + [0] * 10 + [0x7] * 16
+    x_hat = dequantize(packed, scales, GS_MAX, swizzled=False)
+    assert torch.isfinite(x_hat).all()
+    assert bool(((x - x_hat).abs() <= error_bound(x, GS_MAX)).all())
+
+
+@pytest.mark.parametrize("call", [
+    lambda gs: quantize(X, gs),
+    lambda gs: dequantize(PACKED, SCALES, gs),
+    lambda gs: error_bound(X, gs),
+], ids=["quantize", "dequantize", "error_bound"])
+def test_a_global_scale_above_the_limit_is_refused(call):
+    call(GS_MAX)
+    for gs in (GS_ABOVE, torch.tensor([1e37]), torch.tensor([torch.finfo(torch.float32).max])):
+        with pytest.raises(nvfp4.ArgumentError, match=r"global_scale must be at most 6\.646139582783767e\+35"):
+            call(gs)
+
+
+def test_rows_into_refuses_a_global_scale_above_the_limit_before_writing():
+    packed = torch.full((6, 16), 0xAB, dtype=torch.uint8)
+    scales = torch.full((128, 4), 0xAB, dtype=torch.uint8)
+    with pytest.raises(nvfp4.ArgumentError, match=r"quantize_rows_into: global_scale must be at most"):
+        nvfp4.quantize_rows_into(X[:2], GS_ABOVE, packed, scales, 1)
+    assert bool((packed == 0xAB).all()) and bool((scales == 0xAB).all())
+    nvfp4.quantize_rows_into(X[:2], GS_MAX, packed, scales, 1)
+    assert not bool((packed[1:3] == 0xAB).any())
+
+
+# --------------------------------------------------------------------------
 # Input validation
 # --------------------------------------------------------------------------
 

@@ -520,3 +520,197 @@ def test_fused_kernel_rows_and_post_quantized_rows_share_thenvfp4_buffers(layer,
     fused_rows = sum(r.query_len for r in spec.requests if not r.is_decode and backends.base.fuses(fake, r.context_len))
     assert counts["tokens"]["prefill_fused"] == 2 * (first.num_tokens + fused_rows)
     assert (want == "partial") == (fused_rows < spec.num_tokens - spec.num_decode_tokens)
+
+
+# ---------------------------------------------------------------- settings read before any side effect
+
+
+def _cache_state(impl):
+    return {rid: tuple(id(t) for t in entry) for rid, entry in impl.cache.entries().items()}
+
+
+@pytest.mark.parametrize("env, value", [
+    (settings.CONTEXT_WORKSPACE_ENV, "0"),
+    (settings.CONTEXT_WORKSPACE_ENV, "many"),
+    (settings.CONTEXT_WORKSPACE_ENV, "-3"),
+    (settings.BACKEND_ENV, "bogus"),
+])
+@pytest.mark.parametrize("kind, lens", [
+    ("fused", ([6, 3], [4, 0])),  # a chunked prefill and a new one: the reference backend fuses both
+    ("mixed", ([1, 5], [4, 0])),  # a decode beside a new prefill: fused prefill rows, post-quantized decode row
+    ("fallback", ([1, 1], [4, 2])),  # decodes only: every row post-quantized
+    ("query dtype", ([1, 5], [4, 0])),  # the op's unguarded form
+])
+def test_a_bad_setting_in_the_environment_raises_before_the_cache_or_the_counters_change(layer, monkeypatch, env,
+                                                                                         value, kind, lens):
+    """The context workspace bound (and the backend choice) from the environment are read at the start of every
+    call, whichever path it would take: a bad value raises ValueError naming the variable, and the layer's
+    cache, the counters and the output buffers are as before the call."""
+    first = runtime.BatchSpec.from_lens([4, 2], request_ids=["r0", "r1"])
+    layer.call(first, layer.inputs(first.num_tokens, seed=1), GS)
+    spec = runtime.BatchSpec.from_lens(*lens, request_ids=["r0", "r2"] if lens[1][1] == 0 else ["r0", "r1"])
+    assert decide(spec).path == ("fallback" if kind == "fallback" else "fused")
+    counters.reset_counters()
+    before = _cache_state(layer.impl)
+    inputs = layer.inputs(spec.num_tokens, seed=2)
+    extended = []  # a rolled-back cache would look unchanged: no entry may be touched at all
+    extend = layer.impl.cache.extend
+    monkeypatch.setattr(layer.impl.cache, "extend", lambda *a, **k: extended.append(a[0]) or extend(*a, **k))
+    monkeypatch.setenv(env, value)
+    t = spec.num_tokens
+    if kind == "query dtype":
+        output = torch.full((t, layer.width), 7.0, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=env), runtime.batch(spec):
+            layer.op(*inputs, output, layer.name)
+        assert bool((output == 7.0).all())
+    else:
+        output, block_scale = nvfp4_buffers(t, layer.width)
+        output.fill_(0xAB)
+        block_scale.view(torch.uint8).fill_(0xCD)
+        with pytest.raises(ValueError, match=env), runtime.batch(spec):
+            layer.op(*inputs, output, layer.name, GS, block_scale)
+        assert bool((output == 0xAB).all()) and bool((block_scale.view(torch.uint8) == 0xCD).all())
+    assert _cache_state(layer.impl) == before and extended == []
+    assert counters.counters() == {"fused": 0, "fused_by_backend": {}, "fallback": {},
+                                   "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
+    monkeypatch.delenv(env)  # the same call runs once the variable is fixed
+    if kind != "query dtype":
+        layer.call(spec, inputs, GS)
+        assert counters.counters()["fused" if kind != "fallback" else "fallback"]
+        assert len(extended) == len(spec.requests)
+
+
+# ---------------------------------------------------------------- key/value inputs in another dtype than q
+
+
+def _mixed_dtype_inputs(layer, t, seed, kv_dtype=torch.float32):
+    """bf16 queries; keys / values (MLA: the latents) in ``kv_dtype``, drawn from the same numbers."""
+    q = layer.inputs(t, seed, torch.bfloat16)[0]
+    return (q, *layer.inputs(t, seed, kv_dtype)[1:])
+
+
+@pytest.mark.parametrize("lens", [([7, 5], None), ([1, 6, 4], [7, 0, 5], ["r0", "new", "r1"])])
+def test_float32_keys_beside_bf16_queries_are_fused_in_float32_within_the_bound_of_the_unfused_bytes(layer, lens):
+    """The reference backend takes the keys and values in float32 (its ``kv_dtype``), as the unfused computation
+    does: its bytes are the quantization of the float32 attention of the inputs as given, within the documented
+    bound (two NVFP4 error bounds plus the bf16 rounding of the output) of the unfused graph's bytes."""
+    first = runtime.BatchSpec.from_lens([7, 5])
+    spec = runtime.BatchSpec.from_lens(*lens) if lens[1] else first
+    steps = [(first, _mixed_dtype_inputs(layer, first.num_tokens, 1))]
+    if spec is not first:
+        steps.append((spec, _mixed_dtype_inputs(layer, spec.num_tokens, 2)))
+    for step, inputs in steps:
+        fused = layer.call(step, inputs, GS)
+    counts = counters.counters()
+    assert counts["fused_by_backend"] == {"reference": len(steps)} and counts["fallback"] == {}
+
+    attn32 = layer.attention32(steps)
+    layer.impl.clear_cache()
+    for step, inputs in steps:
+        unfused = layer.call_unfused(step, inputs, GS)
+    d = spec.num_decode_tokens
+    want_packed, want_scales = nvfp4.quantize(attn32, GS)
+    assert torch.equal(fused[0][d:], want_packed[d:]), "prefill rows: float32 attention of the float32 keys"
+    assert torch.equal(fused[0][:d], unfused[0][:d]), "decode rows: the unfused graph's bytes"
+    attn_bf16 = attn32.to(torch.bfloat16)
+    deq_fused = nvfp4.dequantize(fused[0], fused[1].view(torch.float8_e4m3fn), GS)
+    deq_unfused = nvfp4.dequantize(unfused[0], unfused[1].view(torch.float8_e4m3fn), GS)
+    bound = nvfp4.error_bound(attn32, GS) + nvfp4.error_bound(attn_bf16, GS) + (attn32 - attn_bf16.float()).abs()
+    assert bool(((deq_fused - deq_unfused).abs() <= bound).all())
+    # the keys were not rounded to bf16 on the way: that would have given other bytes
+    rounded = [(s, (x[0], *(t.to(torch.bfloat16) for t in x[1:]))) for s, x in steps]
+    assert not torch.equal(nvfp4.quantize(layer.attention32(rounded), GS)[0][d:], want_packed[d:])
+
+
+class _QueryDtypeKernels(backends.ReferenceBackend):
+    """A backend like fa4 / triton: no float32 keys (``kv_dtype`` unset: the row plan rounds keys and values
+    to the query dtype); the reference kernels otherwise."""
+
+    name = "qdtype"
+    kv_dtype = None
+
+
+def test_a_backend_that_rounds_keys_to_the_query_dtype_does_not_fuse_keys_of_another_dtype(layer, monkeypatch):
+    """fa4 / triton take keys and values in the query dtype: keys in another dtype are refused (counted as
+    ``kv_dtype``, every row computed as the unfused graph computes it: the same bytes); keys in the
+    query dtype are fused as before; a backend with float32 keys fuses them."""
+    stand_in = _QueryDtypeKernels()
+    monkeypatch.setattr(backends, "select_backend", lambda *a, **k: (stand_in, "stand-in"))
+    monkeypatch.setattr(backends, "get_backend", lambda name: stand_in)
+    spec = runtime.BatchSpec.from_lens([1, 6, 4], [0, 0, 0])  # a one-token prefill, then two more
+    for kv_dtype in (torch.float32, torch.float16):
+        inputs = _mixed_dtype_inputs(layer, spec.num_tokens, 3, kv_dtype)
+        layer.impl.clear_cache()
+        counters.reset_counters()
+        refused = layer.call(spec, inputs, GS)
+        counts = counters.counters()
+        assert counts["fused"] == 0 and counts["fallback"] == {"kv_dtype": 1}, kv_dtype
+        assert counts["tokens"]["post_quantized"] == {"kv_dtype": spec.num_tokens}
+        layer.impl.clear_cache()
+        unfused = layer.call_unfused(spec, inputs, GS)
+        assert torch.equal(refused[0], unfused[0]) and torch.equal(refused[1], unfused[1])
+    from fusion_pass.runtime import attention_call
+    decision = guard.decide(guard.BatchRows.from_spec(spec), attention_call.layer_shape(layer.impl, inputs[0], inputs))
+    assert decision.reason == "kv_dtype" and "backend qdtype computes attention with them in the query dtype" in (
+        decision.detail)
+
+    counters.reset_counters()
+    layer.impl.clear_cache()
+    layer.call(spec, layer.inputs(spec.num_tokens, 3, torch.bfloat16), GS)  # one dtype: fused
+    assert counters.counters()["fused_by_backend"] == {"qdtype": 1}
+
+    monkeypatch.setattr(stand_in, "kv_dtype", torch.float32)  # float32 keys: fused
+    counters.reset_counters()
+    layer.impl.clear_cache()
+    layer.call(spec, _mixed_dtype_inputs(layer, spec.num_tokens, 3), GS)
+    assert counters.counters()["fused_by_backend"] == {"qdtype": 1}
+
+
+@pytest.mark.parametrize("name", ["fa4", "triton"])
+def test_cuda_backends_refuse_float32_keys_beside_bf16_queries(name):
+    """On CUDA: float32 k/v beside bf16 q on a pure-prefill batch and a mixed one: the backend would round them,
+    so the call falls back (``kv_dtype``) with the unfused graph's bytes, which are those of the
+    float32 runtime (the pure-prefill half kernel is not used for such inputs either); bf16 k/v are fused."""
+    reason = cuda_backend_reason(name)
+    if reason:
+        pytest.skip(reason)
+    heads, kv_heads, dim = 8, 2, 128
+    impl = runtime.AttentionImpl(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, softmax_scale=dim**-0.5)
+    layer_name = f"test_guard.cuda_kv_dtype.{name}"
+    runtime.register_layer(layer_name, impl)
+    op, width = torch.ops.fusion_pass.attention_with_output, heads * dim
+    gen = torch.Generator().manual_seed(5)
+    try:
+        for spec in (runtime.BatchSpec.from_lens([150, 40]), runtime.BatchSpec.from_lens([1, 70], [150, 0])):
+            t = spec.num_tokens
+            q = torch.randn(t, heads, dim, generator=gen).to("cuda", torch.bfloat16)
+            k, v = (torch.randn(t, kv_heads, dim, generator=gen).to("cuda") for _ in range(2))
+            for kv_dtype, fused in ((torch.float32, False), (torch.bfloat16, True)):
+                inputs = (q, k.to(kv_dtype), v.to(kv_dtype))
+                start = runtime.snapshot_kv_caches()
+                with settings.use_backend(name), runtime.batch(spec):
+                    half = torch.empty(t, width, dtype=torch.bfloat16, device="cuda")
+                    op(*inputs, half, layer_name)
+                    gs = torch.tensor([448 * 6 / half.float().abs().max().item()], device="cuda")
+                    want = scaled_fp4_quant(half, gs)
+                    runtime.restore_kv_caches(start)
+                    packed, block_scale = nvfp4_buffers(t, width)
+                    packed, block_scale = packed.cuda(), block_scale.cuda()
+                    counters.reset_counters()
+                    op(*inputs, packed, layer_name, gs, block_scale)
+                counts = counters.counters()
+                if fused:
+                    assert counts["fused_by_backend"] == {name: 1}, counts
+                else:
+                    assert counts["fallback"] == {"kv_dtype": 1}, counts
+                    assert torch.equal(packed, want[0]) and torch.equal(block_scale.view(torch.uint8),
+                                                                        want[1].view(torch.uint8))
+                    if spec.num_decode_tokens == 0:  # the float32 runtime, not the half kernel
+                        impl_out = impl.forward(*inputs, runtime.BatchSpec.from_lens([150, 40], request_ids=["x",
+                                                                                                             "y"]))
+                        assert torch.equal(half, impl_out.to(torch.bfloat16).reshape(t, width))
+                if kv_dtype == torch.float32:
+                    runtime.restore_kv_caches(start)
+    finally:
+        runtime.unregister_layer(layer_name)
+        runtime.clear_kv_caches()

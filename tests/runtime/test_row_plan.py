@@ -335,8 +335,10 @@ def test_layers_refuse_a_softmax_scale_that_is_not_positive_and_finite(scale):
 @pytest.mark.skipif(not torch.cuda.is_available() and not kernels.interpreter_enabled(),
                     reason="no CUDA device and TRITON_INTERPRET is not set (conftest.py sets it on CPU-only machines)")
 def test_inputs_the_runtime_accepts_are_fused_too(monkeypatch):
-    """k/v in another float dtype than q, and q without unit stride along its head dim (a transposed view):
-    the unfused op computes them, so the fused path must as well (cast / made contiguous for the kernels)."""
+    """q without unit stride along its head dim (a transposed view): the unfused op computes it, so the fused path
+    must as well (made contiguous for the kernels). k/v in another float dtype than q: a backend whose kernels
+    take keys in q's dtype would round them (the unfused op does not), so the call is not fused
+    (``kv_dtype``) and its bytes are the unfused graph's."""
     gen = torch.Generator().manual_seed(3)
     impl = runtime.AttentionImpl(**GQA, softmax_scale=0.17)
     name = "test_chunked_prefill.dtypes"
@@ -348,23 +350,118 @@ def test_inputs_the_runtime_accepts_are_fused_too(monkeypatch):
         spec = runtime.BatchSpec.from_lens([6, 9])
         t, width = spec.num_tokens, GQA["num_heads"] * GQA["v_head_dim"]
         q = torch.randn(t, GQA["head_dim"], GQA["num_heads"], generator=gen).to(DEVICE, torch.bfloat16).transpose(1, 2)
-        k = torch.randn(t, 2, GQA["head_dim"], generator=gen).to(DEVICE, torch.float16)
-        v = torch.randn(t, 2, GQA["v_head_dim"], generator=gen).to(DEVICE, torch.float16)
+        k = torch.randn(t, 2, GQA["head_dim"], generator=gen).to(DEVICE, torch.bfloat16)
+        v = torch.randn(t, 2, GQA["v_head_dim"], generator=gen).to(DEVICE, torch.bfloat16)
         assert q.stride(-1) != 1
-        half = torch.empty(t, width, dtype=torch.bfloat16, device=DEVICE)
-        with runtime.batch(spec):
-            OPS.attention_with_output(q, k, v, half, name)
-        impl.clear_cache()
-        gs = torch.tensor([448 * 6 / float(half.float().abs().max())], device=DEVICE)
         rows, cols = nvfp4.scale_shape(t, width)
-        packed = torch.empty(t, width // 2, dtype=torch.uint8, device=DEVICE)
-        scales = torch.empty(rows, cols, dtype=torch.uint8, device=DEVICE)
-        with runtime.batch(spec):
-            OPS.attention_with_output(q, k, v, packed, name, gs, scales)
-        assert counters.counters()["fused_by_backend"] == {fake.name: 1}
-        want = nvfp4.dequantize(*scaled_fp4_quant(half, gs), gs, m=t)
-        got = nvfp4.dequantize(packed, scales.view(torch.float8_e4m3fn), gs, m=t)
-        bound = requantization_bound(want, gs) + 2.0**-6 * float(v.float().abs().max())
-        assert bool(((got - want).abs() <= bound).all())
+        for kv_dtype, fused in ((torch.bfloat16, True), (torch.float16, False)):
+            counters.reset_counters()
+            impl.clear_cache()
+            k_in, v_in = k.to(kv_dtype), v.to(kv_dtype)
+            half = torch.empty(t, width, dtype=torch.bfloat16, device=DEVICE)
+            with runtime.batch(spec):
+                OPS.attention_with_output(q, k_in, v_in, half, name)
+            impl.clear_cache()
+            gs = torch.tensor([448 * 6 / float(half.float().abs().max())], device=DEVICE)
+            packed = torch.empty(t, width // 2, dtype=torch.uint8, device=DEVICE)
+            scales = torch.empty(rows, cols, dtype=torch.uint8, device=DEVICE)
+            with runtime.batch(spec):
+                OPS.attention_with_output(q, k_in, v_in, packed, name, gs, scales)
+            want_packed, want_scales = scaled_fp4_quant(half, gs)
+            if fused:
+                assert counters.counters()["fused_by_backend"] == {fake.name: 1}
+                want = nvfp4.dequantize(want_packed, want_scales, gs, m=t)
+                got = nvfp4.dequantize(packed, scales.view(torch.float8_e4m3fn), gs, m=t)
+                assert bool(((got - want).abs() <= requantization_bound(want, gs)).all())
+            else:
+                assert counters.counters()["fallback"] == {"kv_dtype": 1}
+                assert torch.equal(packed, want_packed) and torch.equal(scales, want_scales.view(torch.uint8))
     finally:
         runtime.unregister_layer(name)
+
+
+class _NeverCalled:
+    """A backend whose kernels must not run: every call is recorded and fails the test's expectations."""
+
+    name, handles_context = "never", True
+
+    def __init__(self):
+        self.calls = []
+
+    def run_varlen(self, *args, **kwargs):
+        self.calls.append("run_varlen")
+
+    def attention_lse(self, q, k, v, *args):
+        self.calls.append("attention_lse")
+        return (q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32),
+                q.new_zeros(q.shape[0], q.shape[1], dtype=torch.float32))
+
+    def merge_nvfp4(self, *args):
+        self.calls.append("merge_nvfp4")
+
+
+def _prefill_case(t=12, first_row=2, h=2, d=16, dv=16, context_rows=6):
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(t, h, d, generator=gen).to(torch.bfloat16)
+    k = torch.randn(t - first_row, h, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(t - first_row, h, dv, generator=gen).to(torch.bfloat16)
+    k_ctx = torch.randn(context_rows, h, d, generator=gen).to(torch.bfloat16)
+    v_ctx = torch.randn(context_rows, h, dv, generator=gen).to(torch.bfloat16)
+    rows, cols = nvfp4.scale_shape(t, h * dv)
+    packed = torch.full((t, h * dv // 2), 0xAB, dtype=torch.uint8)
+    scales = torch.full((rows, cols), 0xAB, dtype=torch.uint8)
+    return dict(q=q, k=k, v=v, first_row=first_row, context=lambda lo, hi: (k_ctx[lo:hi], v_ctx[lo:hi]),
+                softmax_scale=0.25, output=packed, output_scale=torch.tensor([100.0]), output_block_scale=scales)
+
+
+@pytest.mark.parametrize("change, match", [
+    # the two lists describe different prefills
+    (dict(query_lens=[6, 4], context_lens=[2]), "query_lens and context_lens must describe the same prefills"),
+    (dict(query_lens=[10], context_lens=[2, 4]), "query_lens and context_lens must describe the same prefills"),
+    (dict(query_lens=[], context_lens=[]), "query_lens must list at least one prefill"),
+    # not ints
+    (dict(query_lens=[6.0, 4], context_lens=[0, 0]), "query_lens must hold ints"),
+    (dict(query_lens=[6, 4], context_lens=[0, 2.5]), "context_lens must hold ints"),
+    (dict(query_lens=[6, True], context_lens=[0, 0]), "query_lens must hold ints"),
+    (dict(query_lens=torch.tensor([6, 4]), context_lens=[0, 0]), "query_lens must be a list of ints"),
+    (dict(query_lens=[6, 4], context_lens=None), "context_lens must be a list of ints"),
+    # out of range
+    (dict(query_lens=[10, 0], context_lens=[0, 0]), r"query_lens must be >= 1"),
+    (dict(query_lens=[6, 4], context_lens=[3, -1]), r"context_lens must be >= 0"),
+    # rows: k / v against query_lens, the prefills' rows against q
+    (dict(query_lens=[6, 3], context_lens=[0, 0]), "k must have sum\\(query_lens\\) = 9 rows"),
+    (dict(query_lens=[6, 5], context_lens=[0, 0]), "k must have sum\\(query_lens\\) = 11 rows"),
+    (dict(query_lens=[6, 4], context_lens=[0, 0], v="short"), "v must have sum\\(query_lens\\) = 10 rows"),
+    (dict(query_lens=[6, 4], context_lens=[0, 0], first_row=3), r"first_row \+ sum\(query_lens\) = 3 \+ 10"),
+    (dict(query_lens=[6, 4], context_lens=[0, 0], first_row=-1), "first_row must be an int >= 0"),
+    (dict(query_lens=[6, 4], context_lens=[0, 0], first_row=2.0), "first_row must be an int >= 0"),
+    # context
+    (dict(query_lens=[6, 4], context_lens=[0, 3], context=None), "context_lens sum to 3 cached tokens but context"),
+])
+@pytest.mark.parametrize("workspace_tokens", [None, 2])
+def test_prefill_rows_that_do_not_add_up_are_refused_before_any_kernel_runs(change, match, workspace_tokens):
+    """query_lens / context_lens / first_row / k / v / q that describe different rows: a ValueError naming the
+    argument, from host ints only, before any kernel runs or any byte is written (both paths: one call within
+    the workspace bound, chunks merged beyond it)."""
+    args = _prefill_case()
+    change = dict(change)
+    if change.get("v") == "short":
+        change["v"] = args["v"][:-1]
+    args.update(change)
+    before = (args["output"].clone(), args["output_block_scale"].clone())
+    spy = _NeverCalled()
+    with pytest.raises(ValueError, match=match):
+        row_plan.run_prefills(spy, **args, workspace_tokens=workspace_tokens)
+    assert spy.calls == []
+    assert torch.equal(args["output"], before[0]) and torch.equal(args["output_block_scale"], before[1])
+
+
+def test_prefill_lengths_may_be_numpy_ints():
+    np = pytest.importorskip("numpy")
+    outs = []
+    for lens in (([6, 4], [2, 4]), (np.array([6, 4]), [np.int64(2), np.int32(4)])):
+        args = _prefill_case()
+        row_plan.run_prefills(KernelBackend("reference"), **args, query_lens=lens[0], context_lens=lens[1])
+        outs.append((args["output"], args["output_block_scale"]))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert bool((outs[0][0][:2] == 0xAB).all()) and not bool((outs[0][0][2:] == 0xAB).all())

@@ -546,3 +546,118 @@ def test_merge_attention_both_empty():
     lse = torch.full((2, 3), float("-inf"))
     m_out, m_lse = merge_attention(out, lse, out, lse)
     assert (m_out == 0).all() and torch.isneginf(m_lse).all()
+
+
+# ---------------------------------------------------------------------------
+# Non-finite values: masked keys contribute nothing, visible ones propagate
+# ---------------------------------------------------------------------------
+
+
+def _plain_attention(q, k, v, scale, causal, q_offset=0):
+    """dense_attention's formula with P @ V over every key (masked ones with probability 0): what it computed
+    before masked non-finite values were left out."""
+    tq, h, d = q.shape
+    tk, hk, _ = k.shape
+    hv = v.shape[1]
+    scores = torch.einsum("qkgd,tkd->kgqt", q.float().reshape(tq, hk, h // hk, d), k.float()).reshape(h, tq, tk)
+    scores = scores * scale
+    if causal:
+        hidden = torch.arange(tk).unsqueeze(0) > torch.arange(tq).unsqueeze(1) + q_offset
+        scores = scores.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.einsum("vgqt,tvd->qvgd", probs.reshape(hv, h // hv, tq, tk), v.float())
+    return out.reshape(tq, h, v.shape[2])
+
+
+def _same(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _visible_only(q, k, v, scale, q_offset):
+    """Causal attention row by row over the keys each row sees (no masked key at all): the plain product's
+    IEEE combination of exactly the visible values."""
+    rows = [_plain_attention(q[i:i + 1], k[:i + q_offset + 1], v[:i + q_offset + 1], scale, False)
+            for i in range(q.shape[0])]
+    return torch.cat(rows)
+
+
+NONFINITE = {
+    "nan": [(5, 0, 1, float("nan"))],
+    "+inf": [(5, 1, 2, float("inf"))],
+    "-inf": [(4, 0, 0, float("-inf"))],
+    "+inf and -inf in one column": [(4, 1, 3, float("inf")), (6, 1, 3, float("-inf"))],
+    "nan and inf": [(3, 0, 2, float("nan")), (6, 0, 2, float("inf")), (7, 1, 4, float("-inf"))],
+}
+
+
+@pytest.mark.parametrize("case", NONFINITE)
+@pytest.mark.parametrize("q_offset", [0, 2])
+def test_masked_non_finite_values_do_not_reach_earlier_rows(case, q_offset):
+    """A NaN / Inf in a later token's value leaves the rows that do not see it exactly as with a finite value
+    there; the rows that see it get exactly what the plain P @ V gives (NaN, +-Inf, NaN for +Inf beside -Inf)."""
+    g = torch.Generator().manual_seed(21)
+    tq, tk = 8 - q_offset, 8
+    q, k, v = torch.randn(tq, 4, 8, generator=g), torch.randn(tk, 2, 8, generator=g), torch.randn(tk, 2, 5, generator=g)
+    v_bad, v_fin = v.clone(), v.clone()
+    for t, head, col, value in NONFINITE[case]:
+        v_bad[t, head, col], v_fin[t, head, col] = value, 123.0
+    first = min(t for t, *_ in NONFINITE[case])  # the first key holding one; query i sees keys <= i + q_offset
+    blind = first - q_offset  # rows [0, blind) see none
+    out, lse = dense_attention(q, k, v_bad, scale=0.4, causal=True, q_offset=q_offset)
+    want, want_lse = dense_attention(q, k, v_fin, scale=0.4, causal=True, q_offset=q_offset)
+    plain = _plain_attention(q, k, v_bad, 0.4, True, q_offset)
+    assert bool(plain[:blind].isnan().any()), "the plain product lets the masked value in: the test tells them apart"
+    assert torch.equal(out[:blind], want[:blind]) and torch.isfinite(out[:blind]).all()
+    visible = _visible_only(q, k, v_bad, 0.4, q_offset)
+    # finite where the visible values are, and then exactly the finite-value result; else their IEEE combination
+    _same(out, torch.where(torch.isfinite(visible), want, visible))
+    assert not torch.isfinite(out[blind:]).all()
+    assert torch.equal(lse, want_lse)
+    if case == "+inf and -inf in one column":  # rows seeing only +inf: +inf; both: NaN
+        assert bool(torch.isposinf(out[4 - q_offset:6 - q_offset, 2:4, 3]).all())
+        assert bool(out[6 - q_offset:, 2:4, 3].isnan().all())
+
+
+def test_non_finite_values_of_visible_keys_propagate_as_before():
+    """Without a masked key (non-causal, a decode row) nothing changes; an Inf whose probability underflows to 0
+    still makes NaN (0 * Inf), as in the plain product."""
+    g = torch.Generator().manual_seed(22)
+    q, k, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 4, generator=g)
+    v[2, 0, 1], v[3, 1, 0] = float("nan"), float("-inf")
+    _same(dense_attention(q, k, v, scale=0.4, causal=False)[0], _plain_attention(q, k, v, 0.4, False))
+    _same(dense_attention(q[4:], k, v, scale=0.4, causal=True, q_offset=4)[0],
+          _plain_attention(q[4:], k, v, 0.4, True, 4))
+    # key 1 scores far below key 0 for every query: its probability underflows to exactly 0
+    k2 = torch.zeros(3, 1, 8)
+    k2[0, 0, 0], k2[1, 0, 0] = 100.0, -100.0
+    q2 = torch.zeros(3, 1, 8)
+    q2[:, 0, 0] = 1.0
+    v2 = torch.ones(3, 1, 2)
+    v2[1, 0, 0], v2[2, 0, 1] = float("inf"), float("nan")
+    out = dense_attention(q2, k2, v2, scale=1.0, causal=True)[0]
+    _same(out, _visible_only(q2, k2, v2, 1.0, 0))
+    assert out[0].tolist() == [[1.0, 1.0]]  # sees key 0 only
+    assert out[1, 0, 0].isnan() and out[1, 0, 1] == 1.0  # 0 * inf
+    assert out[2].isnan().all()
+
+
+@pytest.mark.parametrize("kind", SCENARIOS)
+def test_a_nan_in_a_later_tokens_value_leaves_earlier_rows_of_the_runtime_alone(kind):
+    """Through the runtimes (a prefill, then a chunk after it): rows before the NaN token equal those of the same
+    batch with a finite value there, byte for byte; the rows at and after it are NaN where they read it."""
+    outs = []
+    for poison in (float("nan"), 0.5):
+        scen = SCENARIOS[kind](seed=7)
+        first = BatchSpec.from_lens([6, 5], request_ids=["a", "b"])
+        inputs = scen.inputs(first)
+        value = inputs[2] if kind == "gqa" else inputs[1]  # v, or the latent kv_c (k and v of MLA)
+        value[3] = poison  # request a, token 3
+        outs.append([scen.forward(*inputs, first)])
+        chunk = BatchSpec.from_lens([4], [6], request_ids=["a"])  # the NaN is in the cached context now
+        outs[-1].append(scen.forward(*scen.inputs(chunk), chunk))
+    (bad, bad_chunk), (good, good_chunk) = outs
+    assert torch.equal(bad[:3], good[:3]), "rows before the NaN token"
+    assert torch.equal(bad[6:], good[6:]), "another request"
+    assert bool(bad[3:6].isnan().any()) and not bool(good.isnan().any())
+    assert bool(bad_chunk.isnan().any()) and not bool(good_chunk.isnan().any())
