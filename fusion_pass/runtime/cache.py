@@ -12,7 +12,7 @@ from torch import Tensor
 
 from fusion_pass.runtime.batch import BatchSpec, RequestSpec
 
-__all__ = ["ContextRows", "RequestCache", "packed_rows", "positive_int", "positive_softmax_scale"]
+__all__ = ["CachedLayer", "ContextRows", "RequestCache", "packed_rows", "positive_int", "positive_softmax_scale"]
 
 
 def positive_int(name: str, value: int) -> int:
@@ -191,3 +191,18 @@ def packed_rows(pieces: list[Tensor], lo: int, hi: int) -> Tensor:
     if not out:
         return pieces[0][:0]
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+class CachedLayer:
+    """What both runtimes share: a per-request KV cache (``cache``, a :class:`RequestCache`: the public API
+    the row plan and the op's rollback use) and its two user-facing queries."""
+
+    cache: RequestCache
+
+    def clear_cache(self) -> None:
+        """Drop every request's cached tokens."""
+        self.cache.clear()
+
+    def cache_len(self, request_id: str) -> int:
+        """Number of tokens cached for ``request_id`` (0 if unknown)."""
+        return self.cache.length(request_id)

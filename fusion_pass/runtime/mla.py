@@ -25,14 +25,14 @@ from __future__ import annotations
 import torch
 
 from fusion_pass.runtime.batch import BatchSpec
-from fusion_pass.runtime.cache import ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
+from fusion_pass.runtime.cache import CachedLayer, ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
 from fusion_pass.kernels.reference import dense_attention, merge_attention
 
 __all__ = ["MLAAttentionImpl"]
 
 
 
-class MLAAttentionImpl:
+class MLAAttentionImpl(CachedLayer):
     """MLA attention for one layer, with its per-request latent cache.
 
     Args:
@@ -72,16 +72,6 @@ class MLAAttentionImpl:
         self.kv_b_proj_weight = kv_b_proj_weight
         self.softmax_scale = positive_softmax_scale(softmax_scale)
         self.cache = RequestCache()
-
-    # -- cache -------------------------------------------------------------
-
-    def clear_cache(self) -> None:
-        """Drop every request's cached latents."""
-        self.cache.clear()
-
-    def cache_len(self, request_id: str) -> int:
-        """Number of tokens cached for ``request_id`` (0 if unknown)."""
-        return self.cache.length(request_id)
 
     # -- forward -------------------------------------------------------------
 

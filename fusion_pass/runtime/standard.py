@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 
 from fusion_pass.runtime.batch import BatchSpec
-from fusion_pass.runtime.cache import ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
+from fusion_pass.runtime.cache import CachedLayer, ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
 from fusion_pass.kernels.reference import dense_attention
 
 __all__ = ["AttentionImpl"]
 
 
 
-class AttentionImpl:
+class AttentionImpl(CachedLayer):
     """MHA/GQA attention for one layer, with its per-request KV cache.
 
     Args:
@@ -51,14 +51,6 @@ class AttentionImpl:
         self.v_head_dim = head_dim if v_head_dim is None else positive_int("v_head_dim", v_head_dim)
         self.softmax_scale = positive_softmax_scale(softmax_scale)
         self.cache = RequestCache()
-
-    def clear_cache(self) -> None:
-        """Drop every request's cached keys and values."""
-        self.cache.clear()
-
-    def cache_len(self, request_id: str) -> int:
-        """Number of tokens cached for ``request_id`` (0 if unknown)."""
-        return self.cache.length(request_id)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec) -> torch.Tensor:
         """Attention for the batch ``spec``; appends the new keys/values to the cache.
