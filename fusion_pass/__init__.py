@@ -2,8 +2,8 @@
 
 Importing the package registers the ``torch.ops.fusion_pass`` op library. The folders follow when code runs:
 
-* :mod:`fusion_pass.compile`: the pass (:class:`FusionPass`, :func:`enable`), the matcher, the layout proofs,
-  graph dumps (:mod:`fusion_pass.compile.debug`, also ``fusion_pass.debug``);
+* :mod:`fusion_pass.compile`: the pass (:class:`FusionPass`; :func:`enable`, which returns an :class:`EnabledPass`),
+  the matcher, the layout proofs, graph dumps (:mod:`fusion_pass.compile.debug`, also ``fusion_pass.debug``);
 * :mod:`fusion_pass.patterns`: the pattern table and op vocabularies;
 * :mod:`fusion_pass.ops`: the op library, where compile time and run time meet;
 * :mod:`fusion_pass.runtime`: per call, the guard, the row plan, the fused backends
@@ -20,10 +20,10 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from fusion_pass import ops  # noqa: F401,E402  (registers torch.ops.fusion_pass.*)
 from fusion_pass.compile import debug  # noqa: E402
-from fusion_pass.compile.graph_pass import FusionPass, enable  # noqa: E402
+from fusion_pass.compile.graph_pass import EnabledPass, FusionPass, enable  # noqa: E402
 from fusion_pass.runtime.backends import list_backends  # noqa: E402
 from fusion_pass.runtime.settings import set_backend, use_backend  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["FusionPass", "debug", "enable", "list_backends", "set_backend", "use_backend"]
+__all__ = ["EnabledPass", "FusionPass", "debug", "enable", "list_backends", "set_backend", "use_backend"]

@@ -18,6 +18,8 @@ commands:
             fallback batches, then the pass's report; with --time (the
             default with --device cuda) also the time of the compiled stack
             without vs with the pass on the prefill batches, and the speedup.
+            Progress lines (one per model and phase) go to stderr (--quiet:
+            none); the results go to stdout.
   dump      the same run with graph dumps on: per compiled graph the post-grad
             graph before/after the pass, the match report, and depyf's dump.
   backends  list the fused-attention backends and why each is (un)available.
@@ -54,6 +56,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: cpu)")
     parser.add_argument("--layers", type=_positive, default=2, help="attention layers per model (default: 2)")
     parser.add_argument("--tiny", action="store_true", help="small dimensions instead of the real ones (fast)")
+    parser.add_argument("--quiet", "-q", action="store_true",
+                        help="no progress lines (one per model and phase, on stderr)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _progress(line: str) -> None:
+    """The demo's progress lines: on stderr, so that stdout holds the results only."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     import torch
 
@@ -114,8 +123,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     if timing is None:
         timing = args.device == "cuda"
     warmup, repeats = getattr(args, "warmup", 3), getattr(args, "repeats", 20)
+    progress = None if getattr(args, "quiet", False) else _progress
     run = demo.run_demo(models, tiny=args.tiny, device=args.device, layers=args.layers,
-                        timing=timing, warmup=warmup, repeats=repeats)
+                        timing=timing, warmup=warmup, repeats=repeats, progress=progress)
     print(demo.format_table(run.results))
     print()
     print(demo.format_report(run.report))

@@ -35,6 +35,10 @@ import torch
 
 from fusion_pass.nvfp4 import BLOCK_SIZE
 
+# The bridge between the two ops' names: the quant op's ``output`` / ``output_scale`` are the packed codes and
+# the block scales (``quant_out`` / ``quant_scale`` here); the attention op takes them as ``output`` /
+# ``output_block_scale``, and its own ``output_scale`` is the global scale (the quant's ``input_scale``).
+
 # ---------------------------------------------------------------- MLA
 
 
@@ -102,9 +106,9 @@ def attention_example_inputs():
             *_nvfp4_buffers(_H * _DV))
 
 
-def v_head_dim_fits_nvfp4_blocks(facts) -> str | None:
+def v_head_dim_fits_nvfp4_blocks(shape) -> str | None:
     """The fused epilogue quantizes one head's tile: a head must span whole 16-element blocks."""
-    if facts.v_head_dim % BLOCK_SIZE:
+    if shape.v_head_dim % BLOCK_SIZE:
         return "v_head_dim_not_multiple_of_16"
     return None
 
@@ -116,7 +120,8 @@ class AttentionQuantPattern:
     ``pattern`` / ``replacement(ops, *example_inputs(), layer_name)`` are the
     plain functions; ``role`` names the vocabulary's attention op; ``inputs``
     are that op's tensor inputs (the first ``len(inputs)`` arguments);
-    ``extra_check(facts)`` returns a refusal reason or None. Which graph form
+    ``extra_check(shape)`` (``shape`` a :class:`fusion_pass.compile.matcher.AttentionShape`: ``num_heads``,
+    ``v_head_dim``) returns a refusal reason or None. Which graph form
     the entry matches, and how it is rewritten, follows from the traced
     ``pattern`` (module docstring).
     """

@@ -121,12 +121,12 @@ def main(spec_path: str, out_path: str) -> None:
     calls: list = []
     record = counters.record
 
-    def record_and_keep(decision):
+    def record_and_keep(decision, layer_name=None):
         decisions.append(decision.reason or "fused")
         calls.append({"path": decision.path, "reason": decision.reason, "prefill_tokens": decision.prefill_tokens,
                       "fused_tokens": decision.fused_tokens, "post_quantized": dict(decision.post_quantized),
                       **batch_of_current_call()})
-        record(decision)
+        record(decision, layer_name)
 
     counters.record = record_and_keep  # fusion_pass.vllm.attention_op calls counters.record
     shadows: list = []

@@ -168,7 +168,7 @@ def test_o_proj_nvfp4_input_bytes_equal_on_decode_rows_within_bound_on_fused_pre
 def test_guard_counts_every_call_and_names_each_path_once_in_vllms_log(runs):
     name, fused, plain = runs
     counters = fused["counters"]
-    assert counters == fused["report"]["runtime"]
+    assert counters == fused["report"]["runtime_process"]
     calls = sum(len(s["decisions"]) for s in fused["steps"])
     assert counters["fused"] + sum(counters["fallback"].values()) == calls
     # pure-prefill calls run the fused path: on vLLM's CPU build the reference backend (float32 attention)

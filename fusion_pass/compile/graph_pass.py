@@ -2,9 +2,10 @@
 
 Three ways to register it:
 
-* ``fusion_pass.enable()`` (a function and a context manager) installs a
-  :class:`FusionPass` as ``torch._inductor.config.post_grad_custom_post_pass``,
-  chained after a pass already installed there;
+* ``fusion_pass.enable()`` installs a :class:`FusionPass` as
+  ``torch._inductor.config.post_grad_custom_post_pass``, chained after a pass
+  already installed there, and returns an :class:`EnabledPass` (``disable()``,
+  ``report()``; also a context manager: ``with fusion_pass.enable() as fp:``);
 * ``torch.compile(model, options={"post_grad_custom_post_pass": FusionPass()})``;
 * vLLM's compilation config (the vLLM adapter).
 """
@@ -16,6 +17,7 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -23,6 +25,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fusion_pass.compile import debug, matcher
+from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.patterns import PATTERNS, AttentionQuantPattern, OpVocabulary, fusion_pass_vocabulary
 
 logger = logging.getLogger("fusion_pass")
@@ -60,14 +63,14 @@ def _resolve_patterns(patterns) -> tuple[AttentionQuantPattern, ...]:
             resolved.append(entry)
         elif isinstance(entry, str):
             if entry not in by_name:
-                raise ValueError(f"FusionPass: patterns names an unknown pattern {entry!r}; "
+                raise ArgumentError(f"FusionPass: patterns names an unknown pattern {entry!r}; "
                                  f"known patterns: {', '.join(by_name)}")
             resolved.append(by_name[entry])
         else:
-            raise TypeError(f"FusionPass: patterns must hold pattern names or entries of "
+            raise ArgumentError(f"FusionPass: patterns must hold pattern names or entries of "
                             f"fusion_pass.patterns.PATTERNS, got {type(entry).__name__} {entry!r}")
     if not resolved:
-        raise ValueError("FusionPass: patterns must name at least one pattern")
+        raise ArgumentError("FusionPass: patterns must name at least one pattern")
     return tuple(resolved)
 
 
@@ -79,10 +82,10 @@ def _resolve_vocabularies(vocabularies) -> tuple[OpVocabulary, ...]:
     vocabularies = tuple(vocabularies)
     for vocab in vocabularies:
         if not isinstance(vocab, OpVocabulary):
-            raise TypeError(f"FusionPass: vocabularies must hold OpVocabulary objects, "
+            raise ArgumentError(f"FusionPass: vocabularies must hold OpVocabulary objects, "
                             f"got {type(vocab).__name__} {vocab!r}")
     if not vocabularies:
-        raise ValueError("FusionPass: vocabularies must hold at least one OpVocabulary")
+        raise ArgumentError("FusionPass: vocabularies must hold at least one OpVocabulary")
     return vocabularies
 
 
@@ -99,6 +102,10 @@ class FusionPass(CustomGraphPass):
         self.patterns = _resolve_patterns(patterns)
         self.vocabularies = _resolve_vocabularies(vocabularies)
         self.graphs: list[GraphReport] = []
+        self.rewritten_layers: list[str] = []  # the layer names this pass rewrote, in order, each once
+        self.graphs_from_cache = 0  # compiles served by the FX graph cache (the pass did not run on them)
+        self._consulted: dict[str, int] = {}  # compile id -> cache hits then, for compiles not yet settled
+        self._ran: set[str] = set()  # of those, the compiles the pass ran in
         for vocab in self.vocabularies:  # trace once per process (cached), here rather than per graph
             for pattern in self._patterns_for(vocab):
                 matcher.anchor_ops(pattern, vocab)
@@ -112,7 +119,12 @@ class FusionPass(CustomGraphPass):
     # -- CustomGraphPass -------------------------------------------------------------------
 
     def uuid(self) -> str:
-        """Changes with the pattern set, the pattern code, the vocabularies and the matcher."""
+        """Changes with the pattern set, the pattern code, the vocabularies and the matcher.
+
+        Inductor asks for it when it computes a graph's FX-graph-cache key; the pass notes the compile then,
+        so that a compile served by the cache (the pass is not called) is counted and logged
+        (:meth:`report`'s ``graphs_from_cache``)."""
+        _note_cache_lookup(self)
         h = hashlib.sha256()
         for pattern in self.patterns:
             h.update(pattern.name.encode())
@@ -125,6 +137,9 @@ class FusionPass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         start = time.perf_counter()
+        compile_id = debug.compile_id()
+        if compile_id in self._consulted:  # the cache missed (or was bypassed): the pass runs
+            self._ran.add(compile_id)
         report = GraphReport(graph=len(self.graphs))
         before = debug.graph_source(graph) if debug.active() else None
         for vocab in self.vocabularies:
@@ -157,6 +172,8 @@ class FusionPass(CustomGraphPass):
                 refusal = refusal or (found, entry.name)
             if match is not None:
                 matcher.rewrite(graph, match, vocab)
+                if isinstance(layer, str) and layer not in self.rewritten_layers:
+                    self.rewritten_layers.append(layer)
                 report.rewritten += 1
                 report.retargeted += match.outcome == "retargeted"
                 report.layers.append({"layer": layer, "pattern": match.pattern.name, "outcome": match.outcome})
@@ -168,28 +185,96 @@ class FusionPass(CustomGraphPass):
 
     # -- report ----------------------------------------------------------------------------
 
+    def _settle_cache_lookups(self) -> None:
+        """Each compile that asked for :meth:`uuid` and is over: the pass ran in it, or the FX graph cache
+        served it (counted in ``graphs_from_cache`` and logged once)."""
+        hits = _cache_hits()
+        for compile_id, hits_then in list(self._consulted.items()):
+            del self._consulted[compile_id]
+            if compile_id in self._ran:
+                self._ran.discard(compile_id)  # compile ids restart after torch._dynamo.reset()
+                continue
+            if hits <= hits_then:
+                continue
+            self.graphs_from_cache += 1
+            logger.info("fusion_pass: compile %s was served by Inductor's FX graph cache: the fusion pass did not "
+                        "run on its graph (the cached graph keeps the rewrite made when it was compiled; "
+                        "report()['graphs_from_cache'] counts it; compile with fx_graph_cache=False for a full "
+                        "report)", compile_id)
+
     def report(self) -> dict:
-        """Totals over every graph this pass ran on, the per-graph reports, the run-time counters
-        (:func:`fusion_pass.ops.runtime_counters`, process-wide) and the fraction of prefill tokens fused."""
+        """Totals over every graph this pass ran on, the per-graph reports, the compiles the FX graph cache
+        served (``graphs_from_cache``: the pass did not run on them), and the run-time counters of the layers
+        this pass rewrote (``runtime``, through :func:`fusion_pass.ops.runtime_counters` with
+        ``layers=rewritten_layers``) beside the whole process's (``runtime_process``), with the fraction of
+        this pass's prefill tokens fused."""
         from fusion_pass import ops
 
+        self._settle_cache_lookups()
         refused: Counter = Counter()
         for g in self.graphs:
             refused.update(g.refused)
-        runtime = ops.runtime_counters()
+        runtime = ops.runtime_counters(layers=list(self.rewritten_layers))
         tokens = runtime["tokens"]
         return {
             "graphs": len(self.graphs),
+            "graphs_from_cache": self.graphs_from_cache,
             "candidates": sum(g.candidates for g in self.graphs),
             "rewritten": sum(g.rewritten for g in self.graphs),
             "retargeted": sum(g.retargeted for g in self.graphs),
             "refused": dict(refused),
             "seconds": sum(g.seconds for g in self.graphs),
             "per_graph": [asdict(g) for g in self.graphs],
+            "rewritten_layers": list(self.rewritten_layers),
+            # the calls of the layers this pass rewrote (by whichever graph ran them), and of every layer
             "runtime": runtime,
+            "runtime_process": ops.runtime_counters(),
             # per token: the share of prefill rows the fused backend wrote (None before any NVFP4 attention call)
             "prefill_fused_fraction": tokens["prefill_fused"] / tokens["prefill"] if tokens["prefill"] else None,
         }
+
+
+# ---------------------------------------------------------------- FX-graph-cache hits
+
+_watched: "weakref.WeakSet[FusionPass]" = weakref.WeakSet()  # passes with compiles not yet settled
+_watched_lock = threading.Lock()
+
+
+def _cache_hits() -> int:
+    """Inductor's FX-graph-cache hits so far in this process (AOT autograd's cache hits too: with a bundled
+    AOT autograd cache those serve a graph without an FX-graph-cache lookup)."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def _note_cache_lookup(fusion: "FusionPass") -> None:
+    """Inside a compile (Inductor computing a cache key with ``fusion`` installed): remember the compile and
+    the cache hits so far, and have the compile's end settle it (:meth:`FusionPass._settle_cache_lookups`)."""
+    compile_id = debug.compile_id()
+    if compile_id is None or compile_id in fusion._consulted:
+        return
+    fusion._consulted[compile_id] = _cache_hits()
+    with _watched_lock:
+        _watched.add(fusion)
+    try:
+        from torch._dynamo.callback import callback_handler
+
+        if _settle_at_compile_end not in callback_handler.end_callbacks:  # torch._dynamo.reset() clears them
+            callback_handler.register_end_callback(_settle_at_compile_end)
+    except Exception:  # a torch without compile callbacks: report() settles instead
+        pass
+
+
+def _settle_at_compile_end(_args=None) -> None:
+    with _watched_lock:
+        passes = list(_watched)
+        _watched.clear()
+    for fusion in passes:
+        try:
+            fusion._settle_cache_lookups()
+        except Exception:  # never fail a compile over a report
+            logger.debug("fusion_pass: settling cache lookups failed", exc_info=True)
 
 
 class ChainedPass(CustomGraphPass):
@@ -212,7 +297,7 @@ class ChainedPass(CustomGraphPass):
 
 
 _lock = threading.Lock()  # guards the two lists below and the config value they describe
-_active: list["enable"] = []  # enable() handles not yet disabled, oldest first
+_active: list["EnabledPass"] = []  # enable() handles not yet disabled, oldest first
 _before_first: list = []  # [what was installed before the oldest active handle], while any is active
 
 
@@ -240,14 +325,24 @@ def _has_compiled_code() -> bool:
     return any(ref() is not None for ref in convert_frame.input_codes.seen)
 
 
-class enable:
-    """Install a :class:`FusionPass` as Inductor's post-grad custom post pass.
+def enable(fusion: FusionPass | None = None, *, recompile: bool = True) -> "EnabledPass":
+    """Install a :class:`FusionPass` (``fusion``, default a new one) as Inductor's post-grad custom post pass
+    and return its :class:`EnabledPass` handle.
 
     ``fusion_pass.enable()`` installs it for the rest of the process (until
-    :meth:`disable`) and returns the handle; ``with fusion_pass.enable() as fp:``
-    installs it for the block. A pass already installed there keeps running,
-    before ours. Handles can be disabled in any order: once all are, what was
-    installed before the first of them is back.
+    ``handle.disable()``); ``with fusion_pass.enable() as fp:`` installs it for the
+    block (``fp`` is the :class:`FusionPass`). ``recompile``: see :class:`EnabledPass`.
+    ``fusion`` not a FusionPass (or None) is a ``TypeError`` raised before anything is installed.
+    """
+    return EnabledPass(fusion, recompile=recompile)
+
+
+class EnabledPass:
+    """An installed :class:`FusionPass`: what :func:`enable` returns. ``disable()`` removes it; ``report()`` is
+    its pass's report; as a context manager it yields the :class:`FusionPass` and disables on exit.
+
+    A pass already installed there keeps running, before ours. Handles can be disabled in any order: once
+    all are, what was installed before the first of them is back.
 
     ``recompile`` (default True): enabling and disabling make every function
     compiled with ``torch.compile`` recompile on its next call, so that
@@ -263,10 +358,10 @@ class enable:
         from torch._inductor import config
 
         if fusion is not None and not isinstance(fusion, FusionPass):
-            raise TypeError(f"enable(fusion): fusion must be a FusionPass or None (a default FusionPass()), "
+            raise ArgumentError(f"enable(fusion): fusion must be a FusionPass or None (a default FusionPass()), "
                             f"got {type(fusion).__name__} {fusion!r}")
         if not isinstance(recompile, bool):
-            raise TypeError(f"enable(recompile): must be True or False, got {recompile!r}")
+            raise ArgumentError(f"enable(recompile): must be True or False, got {recompile!r}")
         self.fusion = fusion or FusionPass()
         self.recompile = recompile
         self._enabled = True
@@ -290,6 +385,7 @@ class enable:
         return self._enabled
 
     def report(self) -> dict:
+        """Its :class:`FusionPass`'s report (:meth:`FusionPass.report`)."""
         return self.fusion.report()
 
     def __enter__(self) -> FusionPass:

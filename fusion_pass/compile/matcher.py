@@ -125,8 +125,9 @@ def layer_label(attention: Node) -> str | None:
 
 
 @dataclass
-class Facts:
-    """What a candidate's shapes say; ``extra_check`` reads these."""
+class AttentionShape:
+    """A candidate attention call's head count and value head dim, read from its traced shapes (static dims
+    only); a pattern's ``extra_check(shape)`` decides on these."""
 
     num_heads: int
     v_head_dim: int
@@ -216,15 +217,16 @@ def attention_output_width(attention: Node, q_val: torch.Tensor, dtype: torch.dt
     return math.prod(per_token)
 
 
-def _facts(attention: Node, width: int) -> Facts | None:
-    """Heads from the query's static dims (never guards on the symbolic token count)."""
+def attention_shape(attention: Node, width: int) -> AttentionShape | None:
+    """The :class:`AttentionShape` of ``attention`` writing ``width`` elements per token: heads from the
+    query's static dims (never guards on the symbolic token count); None when they are not static."""
     q_val = query_value(attention)
     if not isinstance(q_val, torch.Tensor) or q_val.dim() != 3 or not isinstance(q_val.shape[1], int):
         return None
     heads = q_val.shape[1]
     if width % heads:
         return None
-    return Facts(num_heads=heads, v_head_dim=width // heads)
+    return AttentionShape(num_heads=heads, v_head_dim=width // heads)
 
 
 def _quant_buffers_reason(quant: Node) -> str | None:
@@ -330,10 +332,10 @@ def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVoc
     quant_out = mutated_result(quant, "output")
     if quant_out is None or not any(u.target is vocab.nvfp4_gemm for u in quant_out.users):
         return "no_nvfp4_gemm_consumer"
-    facts = _facts(attention, width)
-    if facts is None:
+    shape = attention_shape(attention, width)
+    if shape is None:
         return "unknown_attention_shape"
-    reason = pattern.extra_check(facts)
+    reason = pattern.extra_check(shape)
     if reason:
         return reason
     return Match(pattern, attention, quant, chain, wrapped_op(attention)[1])
@@ -363,10 +365,10 @@ def _examine_quantized(attention: Node, pattern: AttentionQuantPattern, vocab: O
     if is_view_of_base(attention, "output_block_scale") or not layout.tensor_is_row_major(
             layout.value(buffer_arg(attention, "output_block_scale"))):
         return "quant_buffers_not_contiguous"
-    facts = _facts(attention, 2 * packed)
-    if facts is None:
+    shape = attention_shape(attention, 2 * packed)
+    if shape is None:
         return "unknown_attention_shape"
-    reason = pattern.extra_check(facts)
+    reason = pattern.extra_check(shape)
     if reason:
         return reason
     return Match(pattern, attention, None, [], wrapped_op(attention)[1])

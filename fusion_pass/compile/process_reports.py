@@ -19,7 +19,8 @@ def summarize(directory: str | Path) -> dict:
     """Totals over every ``vllm_report_<pid>.json`` in ``directory``, and one line per process.
 
     Returns ``{"processes": [...], "graphs", "candidates", "rewritten", "refused": {reason: n},
-    "fused": n, "fused_by_backend": {name: n}, "fallback": {reason: n}}``. Raises
+    "fused": n, "fused_by_backend": {name: n}, "fallback": {reason: n}}``; the run-time counts are each
+    process's whole (a report's ``runtime_process``, else its ``runtime``). Raises
     ``FileNotFoundError`` naming the directory when it holds no report.
     """
     directory = Path(directory)
@@ -38,7 +39,9 @@ def summarize(directory: str | Path) -> dict:
             report = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"fusion-pass report: cannot read {path}: {exc}") from exc
-        runtime = report.get("runtime") or {}
+        # the process's run-time counters: one vLLM process runs one model, and a graph its pass did not see
+        # (served by a cache) still runs fused calls; older reports only have "runtime"
+        runtime = report.get("runtime_process") or report.get("runtime") or {}
         for key in ("graphs", "candidates", "rewritten"):
             totals[key] += int(report.get(key, 0))
         totals["fused"] += int(runtime.get("fused", 0))

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from fusion_pass import nvfp4, runtime
+from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.ops import scaled_fp4_quant
 
 FP4_AMAX_SCALE = nvfp4.E2M1_MAX * nvfp4.E4M3_MAX  # global scale = 448 * 6 / amax
@@ -26,7 +27,7 @@ def global_scale_for(amax: float | Tensor) -> Tensor:
     """The NVFP4 global scale ``448 * 6 / amax`` as a one-element float32 tensor."""
     amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
     if not bool(torch.isfinite(amax).all()) or float(amax) <= 0:
-        raise ValueError(f"global_scale_for: amax must be positive and finite, got {float(amax)}")
+        raise ArgumentError(f"global_scale_for: amax must be positive and finite, got {float(amax)}")
     return FP4_AMAX_SCALE / amax
 
 
@@ -43,12 +44,12 @@ class NVFP4Linear(nn.Module):
     def __init__(self, weight: Tensor, input_amax: float = 1.0):
         super().__init__()
         if weight.dim() != 2 or weight.shape[1] % nvfp4.BLOCK_SIZE != 0:
-            raise ValueError(
+            raise ArgumentError(
                 f"NVFP4Linear: weight must be [out_features, in_features] with in_features divisible "
                 f"by 16, got {list(weight.shape)}"
             )
         if not weight.is_floating_point():
-            raise TypeError(f"NVFP4Linear: weight must be a float tensor, got {weight.dtype}")
+            raise ArgumentError(f"NVFP4Linear: weight must be a float tensor, got {weight.dtype}")
         self.out_features, self.in_features = weight.shape
         w_gs = global_scale_for(weight.detach().abs().amax().float().cpu()).to(weight.device)
         packed, scales = nvfp4.quantize(weight.detach(), w_gs, swizzled=True)
@@ -62,7 +63,7 @@ class NVFP4Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_amax: float = 1.0) -> "NVFP4Linear":
         if linear.bias is not None:
-            raise ValueError("NVFP4Linear.from_linear: bias is not supported (o_proj has none)")
+            raise ArgumentError("NVFP4Linear.from_linear: bias is not supported (o_proj has none)")
         return cls(linear.weight, input_amax)
 
     @torch.no_grad()

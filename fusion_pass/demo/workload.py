@@ -20,10 +20,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
 from fusion_pass import nvfp4, runtime
+from fusion_pass.nvfp4 import ArgumentError
+from fusion_pass.nvfp4.checks import is_int
 from fusion_pass.runtime import counters
 from fusion_pass.compile.graph_pass import FusionPass
 from fusion_pass.demo.models import (
@@ -64,7 +67,8 @@ class BatchResult:
     path: str  # "fused" (every prefill row fused), "partial" (some) or "fallback", as the run-time guard decided
     reason: str | None  # the fallback reason
     backend: str | None  # the fused backend(s) that ran, e.g. "fa4" (None on fallback)
-    bytes_equal_unfused: bool  # the o_proj's NVFP4 input, byte for byte, vs the unfused graph's
+    bytes_equal_unfused: bool  # the o_proj's NVFP4 input, byte for byte, vs the unfused graph's (required on
+    # fallback batches only: fused rows quantize float32 attention and are checked against err_bound instead)
     decode_bytes_equal_unfused: bool  # the decode rows of it, byte for byte (True when there are none)
     max_abs_err: float  # max |dequant(with pass) - dequant(unfused)| of the o_proj input
     err_bound: float  # the largest per-element bound that difference is checked against
@@ -72,8 +76,16 @@ class BatchResult:
     max_abs_diff_eager: float  # max |compiled without pass - eager| of the stack's output
 
 
+def _count(fn: str, name: str, value, minimum: int) -> int:
+    """``value`` as an int (numpy integers accepted), at least ``minimum``; else a ValueError naming it."""
+    if not is_int(value) or value < minimum:
+        raise ArgumentError(f"{fn}: {name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
 def build_model(name: str, *, tiny: bool = False, device: str = "cpu", layers: int = 2, prefix: str | None = None):
     """The demo model ``name`` (``mla`` or ``gqa``), NVFP4 inputs calibrated on a fixed batch."""
+    layers = _count("build_model", "layers", layers, 1)
     if name == "mla":
         cfg = MLAConfig.tiny(num_layers=layers) if tiny else MLAConfig(num_layers=layers)
         model = build_mla_model(cfg, prefix=prefix or name, device=device)
@@ -81,7 +93,7 @@ def build_model(name: str, *, tiny: bool = False, device: str = "cpu", layers: i
         cfg = GQAConfig.tiny(num_layers=layers) if tiny else GQAConfig(num_layers=layers)
         model = build_gqa_model(cfg, prefix=prefix or name, device=device)
     else:
-        raise ValueError(f"build_model: name must be one of {MODELS}, got {name!r}")
+        raise ArgumentError(f"build_model: name must be one of {MODELS}, got {name!r}")
     spec = BatchSpec((RequestSpec("calibration", 64),))
     calibrate_nvfp4_inputs(model, [(spec, make_inputs(spec, cfg.hidden_size, device, seed=1234))])
     return model
@@ -113,16 +125,21 @@ def run_step(model, spec: BatchSpec, step: int, hidden_size: int, device: str) -
     return StepOutput(output, list(taps), _counter_delta(before, counters.counters()))
 
 
-def run_lockstep(variants: dict, steps: list[BatchSpec], hidden_size: int, device: str) -> list[dict]:
+def run_lockstep(variants: dict, steps: list[BatchSpec], hidden_size: int, device: str, *,
+                 progress: Callable[[str], None] | None = None, label: str = "") -> list[dict]:
     """Run every variant (name -> callable model) on each step from the same KV caches.
 
     Each step starts from the caches the previous step left behind in the last
     variant; the others run on a snapshot of them. So every variant sees the
     same inputs at every step and differences are the variants' own.
+    ``progress`` (optional) is called with one line per step, prefixed with ``label``.
     """
     runtime.clear_kv_caches()
     per_step = []
     for i, spec in enumerate(steps):
+        if progress is not None:
+            progress(f"demo: {label + ': ' if label else ''}batch {i + 1}/{len(steps)}: {spec.kind}, "
+                     f"{spec.num_tokens} tokens")
         start = runtime.snapshot_kv_caches()
         outputs = {}
         for name, model in variants.items():
@@ -213,17 +230,15 @@ def time_prefill(
     eager model) are not timed.
 
     The timed calls go through the run-time guard, so they count in
-    :func:`fusion_pass.runtime.guard.counters`. Returns, per prefill step in order,
+    :func:`fusion_pass.runtime.counters.counters`. Returns, per prefill step in order,
     ``{"model", "step", "tokens", "unfused_ms", "fused_ms", "speedup"}`` with
     ``speedup = unfused_ms / fused_ms`` and ``model`` the name given (a label).
     """
     missing = [name for name in TIMED_VARIANTS if name not in variants]
     if missing:
-        raise ValueError(f"time_prefill: variants must include {TIMED_VARIANTS}, missing {missing}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"time_prefill: repeats must be an int >= 1, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"time_prefill: warmup must be an int >= 0, got {warmup!r}")
+        raise ArgumentError(f"time_prefill: variants must include {TIMED_VARIANTS}, missing {missing}")
+    repeats = _count("time_prefill", "repeats", repeats, 1)
+    warmup = _count("time_prefill", "warmup", warmup, 0)
     advance = list(variants.values())[-1]
     timings = []
     runtime.clear_kv_caches()
@@ -299,20 +314,29 @@ class DemoRun:
 
 
 def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: int = 2,
-             timing: bool = False, warmup: int = 3, repeats: int = 20) -> DemoRun:
+             timing: bool = False, warmup: int = 3, repeats: int = 20,
+             progress: Callable[[str], None] | None = None) -> DemoRun:
     """Per model, the workload eagerly, compiled without the pass and compiled with it.
 
     With ``timing``, once every model's correctness run is done, each
     model's two compiled variants are timed on the prefill batches
-    (:func:`time_prefill` with ``warmup`` and ``repeats``). Returns a
+    (:func:`time_prefill` with ``warmup`` and ``repeats``). ``progress``, when
+    given, is called with one line per model and phase as the run goes (building,
+    each batch, timing): ``fusion-pass demo`` prints them to stderr. Returns a
     :class:`DemoRun`, which unpacks as ``(results, fusion_pass)``.
     """
+    layers = _count("run_demo", "layers", layers, 1)
+    warmup = _count("run_demo", "warmup", warmup, 0)
+    repeats = _count("run_demo", "repeats", repeats, 1)
+    say = progress or (lambda line: None)
     results = []
     steps = workload()
     fusion = FusionPass()
     built = []  # (name, model, variants, hidden_size): kept for the timing pass
     try:
         for name in models:
+            say(f"demo: {name}: building the model ({layers} layer{'s' if layers != 1 else ''}"
+                f"{', tiny' if tiny else ''}, {device}) and calibrating its NVFP4 inputs")
             model = build_model(name, tiny=tiny, device=device, layers=layers)
             hidden_size = model.norms[0].normalized_shape[0]
             global_scales = [layer.o_proj.input_global_scale for layer in model.layers]
@@ -325,7 +349,9 @@ def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: 
                                                        "fx_graph_cache": False}),
             }
             built.append((name, model, variants, hidden_size))
-            per_step = run_lockstep(variants, steps, hidden_size, device)
+            say(f"demo: {name}: running the {len(steps)} batches eager, compiled without and with the pass "
+                f"(the first batch compiles both)")
+            per_step = run_lockstep(variants, steps, hidden_size, device, progress=say, label=name)
             for i, (spec, out) in enumerate(zip(steps, per_step)):
                 fused, unfused = out["fused"], out["unfused"]
                 equal, err, bound, within = compare_nvfp4(fused.o_proj_inputs, unfused.o_proj_inputs, global_scales)
@@ -345,12 +371,27 @@ def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: 
         run = DemoRun(results, fusion, fusion.report())
         if timing:
             for name, _, variants, hidden_size in built:
+                say(f"demo: {name}: timing the prefill batches ({warmup} warm-up + {repeats} timed calls per "
+                    f"variant and batch)")
                 run.timings += time_prefill(variants, steps, hidden_size, device,
                                             warmup=warmup, repeats=repeats, model=name)
+        say("demo: done")
     finally:
         for _, model, _, _ in built:
             release_layers(model)
     return run
+
+
+NOT_COMPARED = "n/a (fused)"
+"""What the table shows under ``bytes==unfused`` for a batch whose prefill rows the fused backend wrote: those
+bytes are not expected to equal the unfused graph's (they quantize float32 attention, not its bf16 rounding);
+the batch is checked against ``bound`` instead, and its decode rows byte for byte (``decode==``)."""
+
+
+def _bytes_column(r: BatchResult) -> str:
+    if r.path in ("fused", "partial"):
+        return NOT_COMPARED
+    return str(r.bytes_equal_unfused)
 
 
 def format_table(results: list[BatchResult]) -> str:
@@ -359,7 +400,7 @@ def format_table(results: list[BatchResult]) -> str:
               f"{'|unfused-eager|':>15}")
     rows = [
         f"{r.model:<5} {r.step:>4} {r.kind:<8} {r.tokens:>6} {r.prefill_tokens:>7} {r.fused_tokens:>5}  {r.path:<8} "
-        f"{r.backend or '-':<9} {r.reason or '-':<16} {str(r.bytes_equal_unfused):>14} "
+        f"{r.backend or '-':<9} {r.reason or '-':<16} {_bytes_column(r):>14} "
         f"{str(r.decode_bytes_equal_unfused):>8} {r.max_abs_err:>10.3e} {r.err_bound:>10.3e}"
         f"{'' if r.within_bound else '!'} {r.max_abs_diff_eager:>15.3e}"
         for r in results
@@ -367,7 +408,14 @@ def format_table(results: list[BatchResult]) -> str:
     prefill = sum(r.prefill_tokens for r in results)
     fused = sum(r.fused_tokens for r in results)
     share = f"{fused / prefill:.1%}" if prefill else "n/a"
-    return "\n".join([header, "-" * len(header), *rows, f"prefill tokens on the fused path: {fused} of {prefill} ({share})"])
+    notes = [
+        f"prefill tokens on the fused path, per batch (each token once, whatever the number of layers): "
+        f"{fused} of {prefill} ({share})",
+        f"bytes==unfused: required on fallback batches; {NOT_COMPARED}: fused rows quantize float32 attention, so "
+        f"they are checked against the bound (max|err| <= bound; '!' marks a miss) and decode rows byte for byte "
+        f"(decode==)",
+    ]
+    return "\n".join([header, "-" * len(header), *rows, *notes])
 
 
 def format_report(report: dict) -> str:
@@ -377,11 +425,15 @@ def format_report(report: dict) -> str:
     tokens = runtime_counts["tokens"]
     post = ", ".join(f"{k}={v}" for k, v in sorted(tokens["post_quantized"].items())) or "none"
     share = f" ({tokens['prefill_fused'] / tokens['prefill']:.1%})" if tokens["prefill"] else ""
-    return (f"pass: {report['graphs']} graphs, {report['candidates']} attention layers seen, "
+    cached = report.get("graphs_from_cache", 0)
+    cached = f" (+{cached} served by the FX graph cache, the pass not run)" if cached else ""
+    layers = len(report.get("rewritten_layers", ())) or report["rewritten"]
+    return (f"pass: {report['graphs']} graphs{cached}, {report['candidates']} attention layers seen, "
             f"{report['rewritten']} rewritten, refused: {refused}, {report['seconds'] * 1e3:.1f} ms in the pass\n"
-            f"run time: {runtime_counts['fused']} fused calls, fallback calls: {fallback}\n"
-            f"tokens (summed over layers): {tokens['prefill_fused']} of {tokens['prefill']} prefill tokens fused"
-            f"{share}, post-quantized: {post}")
+            f"run time: {runtime_counts['fused']} fused calls, fallback calls: {fallback} (the calls of the "
+            f"{layers} rewritten layer{'s' if layers != 1 else ''})\n"
+            f"tokens, summed over every call of those layers (each prefill token once per layer): "
+            f"{tokens['prefill_fused']} of {tokens['prefill']} prefill tokens fused{share}, post-quantized: {post}")
 
 
 def format_timing(timings: list[dict], *, device: str, layers: int, warmup: int, repeats: int) -> str:
@@ -404,12 +456,15 @@ def format_timing(timings: list[dict], *, device: str, layers: int, warmup: int,
 
 
 def results_json(results: list[BatchResult], report: dict, timings: list[dict] | None = None) -> dict:
-    """The demo as JSON: the report's totals, ``batches`` and ``timing`` (empty when not timed)."""
+    """The demo as JSON: the report's totals (``runtime``: the calls of the layers the pass rewrote;
+    ``runtime_process``: every call of the process), ``batches`` and ``timing`` (empty when not timed)."""
     return {
         "layers": report["candidates"],
         "rewritten": report["rewritten"],
         "refused": report["refused"],
-        "runtime": report["runtime"],
+        "runtime": report["runtime"],  # the calls of the layers the pass rewrote
+        "runtime_process": report.get("runtime_process", report["runtime"]),  # every call of the process
+        "graphs_from_cache": report.get("graphs_from_cache", 0),
         "batches": [asdict(r) for r in results],
         "timing": list(timings or []),
     }

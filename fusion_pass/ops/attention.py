@@ -18,6 +18,7 @@ from fusion_pass.nvfp4.checks import check_global_scale
 from fusion_pass.ops.library import dense, fake, impl
 from fusion_pass.ops.quant import QUANT_INPUT_DTYPES
 from fusion_pass.runtime import attention_call, counters
+from fusion_pass.runtime.registry import UnknownLayerError
 
 __all__ = ["check_attention_call", "runtime_counters"]
 
@@ -109,20 +110,33 @@ def check_attention_call(op: str, impl, spec, q: Tensor, inputs: tuple, output, 
     _check_nvfp4_buffers(op, t, impl.num_heads, impl.v_head_dim, q.device, output, output_scale, output_block_scale)
 
 
+def runtime_counters(layers=None) -> dict:
+    """What the attention ops' run-time guard decided so far (:func:`fusion_pass.runtime.counters.counters`):
+    the report API of compile time and integrations. ``layers=None``: the whole process; else layer names
+    (one, or an iterable): the calls of those layers only (what :meth:`fusion_pass.FusionPass.report` reads
+    for the layers its pass rewrote)."""
+    return counters.counters(layers)
 
-def runtime_counters() -> dict:
-    """What the attention ops' run-time guard decided so far, process-wide
-    (:func:`fusion_pass.runtime.counters.counters`): the report API of compile time and integrations."""
-    return counters.counters()
+
+def _layer(op: str, layer_name):
+    """The layer's runtime; an unknown name is an :class:`~fusion_pass.runtime.registry.UnknownLayerError`
+    (a KeyError and an ArgumentError) starting with the op's name."""
+    if not isinstance(layer_name, str):
+        raise ArgumentError(f"{op}: layer_name must be a str, got {type(layer_name).__name__} {layer_name!r}")
+    try:
+        return runtime.get_layer(layer_name)
+    except UnknownLayerError as exc:
+        raise UnknownLayerError(f"{op}: layer_name: {exc}") from None
 
 
 def _run(op: str, q: Tensor, inputs: tuple, output, layer_name, output_scale, output_block_scale) -> None:
     """One attention op call: the layer and the batch from the run time, every argument checked
-    (:func:`check_attention_call`) before anything runs or any cache is touched, then the run time's call."""
-    impl_ = runtime.get_layer(layer_name)
+    (:func:`check_attention_call`) before anything runs or any cache is touched, then the run time's call,
+    whose guard decision is counted under ``layer_name``."""
+    impl_ = _layer(op, layer_name)
     spec = runtime.current_batch()
     check_attention_call(op, impl_, spec, q, inputs, output, output_scale, output_block_scale)
-    attention_call.run(impl_, inputs, spec, output, output_scale, output_block_scale)
+    attention_call.run(impl_, inputs, spec, output, output_scale, output_block_scale, layer_name=layer_name)
 
 
 @impl("attention_with_output")

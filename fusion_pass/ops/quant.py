@@ -102,10 +102,23 @@ def scaled_fp4_quant(input: Tensor, input_global_scale: Tensor, is_sf_swizzled_l
     ``output`` uint8 ``[M, K/2]``; ``output_scale`` int32
     ``[round_up(M, 128), round_up(K/16, 4) / 4]`` when swizzled (uint8 ``[M, K/16]``
     when linear), returned viewed as ``float8_e4m3fn``.
+
+    The arguments are checked here, by the names this function gives them, before the op is called (an
+    :class:`~fusion_pass.nvfp4.ArgumentError` of one line, not the dispatcher's schema mismatch).
     """
+    op = "scaled_fp4_quant"
+    if not isinstance(input, Tensor):
+        raise ArgumentError(f"{op}: input must be a tensor, got {type(input).__name__} {input!r}")
+    if input.dtype not in QUANT_INPUT_DTYPES:
+        raise ArgumentError(f"{op}: input must be float16, bfloat16 or float32, got {input.dtype}")
+    if not isinstance(is_sf_swizzled_layout, bool):
+        raise ArgumentError(f"{op}: is_sf_swizzled_layout must be True or False, got "
+                            f"{type(is_sf_swizzled_layout).__name__} {is_sf_swizzled_layout!r}")
+    if input.dim() < 1 or input.shape[-1] % nvfp4.BLOCK_SIZE != 0:
+        raise ArgumentError(f"{op}: input must be [..., K] with K divisible by 16, got {list(input.shape)}")
+    # type, dtype, element count, device; the value is checked by the op (on CPU, where reading it is free)
+    check_global_scale(op, input_global_scale, input.device, name="input_global_scale", check_value=False)
     k = input.shape[-1]
-    if k % nvfp4.BLOCK_SIZE != 0:
-        raise ArgumentError(f"scaled_fp4_quant: input must be [..., K] with K divisible by 16, got {list(input.shape)}")
     m = input.numel() // k
     output = torch.empty((m, k // 2), dtype=torch.uint8, device=input.device)
     if is_sf_swizzled_layout:

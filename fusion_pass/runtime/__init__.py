@@ -11,6 +11,7 @@ from fusion_pass.kernels.reference import dense_attention, merge_attention
 from fusion_pass.runtime.batch import BatchSpec, RequestSpec, batch, current_batch
 from fusion_pass.runtime.mla import MLAAttentionImpl
 from fusion_pass.runtime.registry import (
+    UnknownLayerError,
     clear_kv_caches,
     get_layer,
     register_layer,
@@ -33,6 +34,7 @@ __all__ = [
     "BatchSpec",
     "MLAAttentionImpl",
     "RequestSpec",
+    "UnknownLayerError",
     "batch",
     "clear_kv_caches",
     "context_workspace_tokens",

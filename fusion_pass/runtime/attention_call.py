@@ -73,7 +73,7 @@ def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
     return launchers.attention_half_varlen(name, q, k, v, cu_seqlens, max_seqlen, impl.softmax_scale)
 
 
-def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale) -> None:
+def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, layer_name: str | None = None) -> None:
     """One attention call of ``impl`` (an MLA or standard runtime) on ``inputs`` for the batch ``spec``.
 
     Without ``output_scale``: attention in the query dtype, not guarded (:func:`_attention`). With it (the
@@ -81,7 +81,7 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale) -> 
     the selected backend through the row plan (attention quantized from float32), the others exactly the
     unfused computation (attention rounded to the query dtype, then quantized); a call whose key/value inputs
     are not in the query dtype is not fused by a backend that would round them (the guard's ``kv_dtype``);
-    :func:`fusion_pass.runtime.counters.record` counts the call once it has completed. Should the computation
+    :func:`fusion_pass.runtime.counters.record` counts the call once it has completed (under ``layer_name`` too). Should the computation
     fail part-way, the layer's cache is rolled back (``impl.cache.transaction()``).
     """
     q = inputs[0]
@@ -99,4 +99,4 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale) -> 
         else:
             out = _attention(impl, inputs, spec, q)
             _write_output(out, q.dtype, output, output_scale, output_block_scale)
-    counters.record(decision)
+    counters.record(decision, layer_name)

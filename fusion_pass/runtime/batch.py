@@ -8,6 +8,7 @@ wraps a model forward in ``with batch(spec):`` and the attention ops read the sp
 
 from __future__ import annotations
 
+import numbers
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,11 +19,14 @@ import torch
 __all__ = ["RequestSpec", "BatchSpec", "batch", "current_batch"]
 
 
-def _check_int(owner: str, field: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(owner: str, field: str, value: Any, minimum: int) -> int:
+    """``value`` as an int (numpy integers accepted, bools refused), at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{owner}: {field} must be an int, got {value!r}")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"{owner}: {field} must be >= {minimum}, got {value}")
+    return value
 
 
 
@@ -44,8 +48,8 @@ class RequestSpec:
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
         owner = f"request {self.request_id}"
-        _check_int(owner, "query_len", self.query_len, 1)
-        _check_int(owner, "context_len", self.context_len, 0)
+        object.__setattr__(self, "query_len", _check_int(owner, "query_len", self.query_len, 1))
+        object.__setattr__(self, "context_len", _check_int(owner, "context_len", self.context_len, 0))
 
     @property
     def is_decode(self) -> bool:
@@ -77,7 +81,7 @@ class BatchSpec:
         for r in requests:
             if not isinstance(r, RequestSpec):
                 raise ValueError(f"BatchSpec: requests must be RequestSpec, got {type(r).__name__}")
-        _check_int("BatchSpec", "dcp_world_size", self.dcp_world_size, 1)
+        object.__setattr__(self, "dcp_world_size", _check_int("BatchSpec", "dcp_world_size", self.dcp_world_size, 1))
         seen: set[str] = set()
         for r in requests:
             if r.request_id in seen:

@@ -1,48 +1,71 @@
-"""Counters of the guard's decisions, process-wide: calls by path and reason, tokens by fate.
+"""Counters of the guard's decisions: calls by path and reason, tokens by fate; process-wide and per layer.
 
-Each decision the attention ops take is counted (:func:`record`, :func:`counters`); the first fallback of each
-reason is logged at INFO on the ``"fusion_pass"`` logger, so a fallback is never silent.
+Each decision the attention ops take is counted (:func:`record`, :func:`counters`): in the process-wide total
+and, when the call names its layer, under that layer's name too, so that a report can count the calls of its
+own layers only (``counters(layers=[...])``; :meth:`fusion_pass.FusionPass.report` does); the attention ops
+pass their ``layer_name`` down to :func:`record`. Layer names are global to the process and can be reused
+once a layer is unregistered: registering a layer under a name starts that name's counts afresh
+(:func:`forget_layer`), so a name's counts are those of the layer registered under it now (or last). The first
+fallback of each reason is logged at INFO on the ``"fusion_pass"`` logger, so a fallback is never silent.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from fusion_pass.runtime.guard import Decision
 
-__all__ = ["counters", "record", "reset_counters"]
+__all__ = ["counters", "forget_layer", "record", "reset_counters"]
 
 logger = logging.getLogger("fusion_pass")
 
 
+class _Counts:
+    """One set of counters: the process total, or one layer's."""
+
+    __slots__ = ("fused_by_backend", "fallback", "prefill", "prefill_fused", "post_quantized")
+
+    def __init__(self) -> None:
+        self.fused_by_backend: dict[str, int] = {}
+        self.fallback: dict[str, int] = {}
+        self.prefill = 0
+        self.prefill_fused = 0
+        self.post_quantized: dict[str, int] = {}
+
+    def add(self, decision: Decision) -> None:
+        if decision.fused:
+            self.fused_by_backend[decision.backend] = self.fused_by_backend.get(decision.backend, 0) + 1
+        else:
+            self.fallback[decision.reason] = self.fallback.get(decision.reason, 0) + 1
+        self.prefill += decision.prefill_tokens
+        self.prefill_fused += decision.fused_tokens
+        for reason, n in decision.post_quantized.items():
+            self.post_quantized[reason] = self.post_quantized.get(reason, 0) + n
+
+
 _lock = threading.Lock()
-_fused_by_backend: dict[str, int] = {}
-_fallback: dict[str, int] = {}
-_tokens = {"prefill": 0, "prefill_fused": 0}
-_post_quantized: dict[str, int] = {}
+_total = _Counts()
+_by_layer: dict[str, _Counts] = {}
 _logged_reasons: set[str] = set()
 
-
-def record(decision: Decision) -> None:
-    """Count ``decision``; log the first fallback of each reason at INFO."""
+def record(decision: Decision, layer_name: str | None = None) -> None:
+    """Count ``decision`` in the process total and, given ``layer_name``, under that layer; log the first
+    fallback of each reason at INFO."""
+    if decision.path not in ("fused", "partial", "fallback"):
+        raise ValueError(f"decision.path must be 'fused', 'partial' or 'fallback', got {decision.path!r}")
+    if layer_name is not None and not isinstance(layer_name, str):
+        raise ValueError(f"record: layer_name must be a str or None, got {type(layer_name).__name__} "
+                         f"{layer_name!r}")
     log = False
     with _lock:
-        if decision.fused:
-            _fused_by_backend[decision.backend] = _fused_by_backend.get(decision.backend, 0) + 1
-        elif decision.path == "fallback":
-            _fallback[decision.reason] = _fallback.get(decision.reason, 0) + 1
-            if decision.reason not in _logged_reasons:
-                _logged_reasons.add(decision.reason)
-                log = True
-        else:
-            raise ValueError(f"decision.path must be 'fused', 'partial' or 'fallback', got {decision.path!r}")
-        _tokens["prefill"] += decision.prefill_tokens
-        _tokens["prefill_fused"] += decision.fused_tokens
-        for reason, n in decision.post_quantized.items():
-            _post_quantized[reason] = _post_quantized.get(reason, 0) + n
+        _total.add(decision)
+        if layer_name is not None:
+            _by_layer.setdefault(layer_name, _Counts()).add(decision)
+        if not decision.fused and decision.reason not in _logged_reasons:
+            _logged_reasons.add(decision.reason)
+            log = True
     if log:
         logger.info(
             "fusion_pass: fused attention+NVFP4 quant fell back to the unfused path (reason: %s; %s); "
@@ -52,24 +75,58 @@ def record(decision: Decision) -> None:
         )
 
 
-def counters() -> dict[str, Any]:
+def _layer_names(layers) -> list[str]:
+    if isinstance(layers, str):
+        return [layers]
+    names = list(layers)
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"counters: layers must hold layer names (str), got {type(name).__name__} {name!r}")
+    return names
+
+
+def counters(layers: Iterable[str] | str | None = None) -> dict[str, Any]:
     """A snapshot: calls ``{"fused": int, "fused_by_backend": {name: int}, "fallback": {reason: int}}``
     and tokens ``"tokens": {"prefill": int, "prefill_fused": int, "post_quantized": {reason: int}}``
-    (summed over the calls, i.e. over layers: a fraction ``prefill_fused / prefill`` is per token)."""
+    (summed over the calls, i.e. over layers: a fraction ``prefill_fused / prefill`` is per token).
+
+    ``layers``: None (the default) for the whole process; else layer names (one name, or an iterable of
+    them): the sum over the calls counted under those layers (a name never counted adds nothing, so an
+    empty list gives zeros).
+    """
+    names = None if layers is None else _layer_names(layers)
+    fused_by_backend: dict[str, int] = {}
+    fallback: dict[str, int] = {}
+    post: dict[str, int] = {}
+    prefill = prefill_fused = 0
     with _lock:
-        return {
-            "fused": sum(_fused_by_backend.values()),
-            "fused_by_backend": copy.copy(_fused_by_backend),
-            "fallback": copy.copy(_fallback),
-            "tokens": {**_tokens, "post_quantized": copy.copy(_post_quantized)},
-        }
+        sources = [_total] if names is None else [_by_layer[n] for n in dict.fromkeys(names) if n in _by_layer]
+        for c in sources:
+            for target, source in ((fused_by_backend, c.fused_by_backend), (fallback, c.fallback),
+                                   (post, c.post_quantized)):
+                for key, n in source.items():
+                    target[key] = target.get(key, 0) + n
+            prefill += c.prefill
+            prefill_fused += c.prefill_fused
+    return {
+        "fused": sum(fused_by_backend.values()),
+        "fused_by_backend": fused_by_backend,
+        "fallback": fallback,
+        "tokens": {"prefill": prefill, "prefill_fused": prefill_fused, "post_quantized": post},
+    }
+
+
+def forget_layer(layer_name: str) -> None:
+    """Drop ``layer_name``'s own counts (the process total keeps them): a new layer registered under the name
+    (:func:`fusion_pass.runtime.register_layer` calls this) starts from zero."""
+    with _lock:
+        _by_layer.pop(layer_name, None)
 
 
 def reset_counters() -> None:
-    """Zero the counters; the next fallback of each reason is logged again."""
+    """Zero the counters (the total and every layer's); the next fallback of each reason is logged again."""
+    global _total
     with _lock:
-        _fused_by_backend.clear()
-        _fallback.clear()
-        _tokens.update(prefill=0, prefill_fused=0)
-        _post_quantized.clear()
+        _total = _Counts()
+        _by_layer.clear()
         _logged_reasons.clear()

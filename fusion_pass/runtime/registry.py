@@ -11,7 +11,11 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from fusion_pass.nvfp4 import ArgumentError
+from fusion_pass.runtime import counters
+
 __all__ = [
+    "UnknownLayerError",
     "register_layer",
     "get_layer",
     "unregister_layer",
@@ -22,12 +26,21 @@ __all__ = [
 ]
 
 
+class UnknownLayerError(KeyError, ArgumentError):
+    """No layer is registered under the name given: a ``KeyError`` (what :func:`get_layer` always raised) and a
+    ``ValueError`` (an :class:`~fusion_pass.nvfp4.ArgumentError`, the project's bad-argument error, also a
+    ``TypeError``). Its message reads as written (a plain ``KeyError`` would quote it)."""
+
+    __str__ = BaseException.__str__
+
+
 _layers: dict[str, Any] = {}
 _layers_lock = threading.Lock()
 
 
 def register_layer(name: str, impl: Any) -> None:
-    """Register ``impl`` under ``name``; re-registering the same object is a no-op."""
+    """Register ``impl`` under ``name``; re-registering the same object is a no-op. A new layer under a name
+    starts the name's run-time counts afresh (:func:`fusion_pass.runtime.counters.forget_layer`)."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"layer name must be a non-empty str, got {name!r}")
     with _layers_lock:
@@ -38,10 +51,13 @@ def register_layer(name: str, impl: Any) -> None:
                 f"{type(existing).__name__}; unregister_layer({name!r}) first"
             )
         _layers[name] = impl
+    if existing is None:
+        counters.forget_layer(name)
 
 
 def get_layer(name: str) -> Any:
-    """The impl registered under ``name`` (KeyError listing some known names)."""
+    """The impl registered under ``name`` (:class:`UnknownLayerError`, a KeyError and a ValueError, listing some
+    known names)."""
     with _layers_lock:
         impl = _layers.get(name)
         if impl is not None:
@@ -49,14 +65,15 @@ def get_layer(name: str) -> Any:
         names = sorted(_layers)
     shown = ", ".join(repr(n) for n in names[:8]) or "none"
     more = f" and {len(names) - 8} more" if len(names) > 8 else ""
-    raise KeyError(f"no attention layer registered as {name!r}; registered: {shown}{more}")
+    raise UnknownLayerError(f"no attention layer registered as {name!r}; registered: {shown}{more}")
 
 
 def unregister_layer(name: str) -> None:
-    """Remove ``name`` from the registry (KeyError if it is not registered)."""
+    """Remove ``name`` from the registry (:class:`UnknownLayerError`, a KeyError and a ValueError, if it is
+    not registered)."""
     with _layers_lock:
         if name not in _layers:
-            raise KeyError(f"no attention layer registered as {name!r}")
+            raise UnknownLayerError(f"no attention layer registered as {name!r}")
         del _layers[name]
 
 

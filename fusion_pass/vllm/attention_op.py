@@ -99,7 +99,7 @@ def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, 
                                                            output_scale, output_block_scale))
     else:
         _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads)
-    counters.record(decision)
+    counters.record(decision, layer_name=layer_name_of(layer_name))
     key = decision.reason or f"fused:{decision.backend}"
     if key not in _logged:  # vLLM shows its own loggers; each path is named once per process
         _logged.add(key)
@@ -116,6 +116,8 @@ def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block
     tmp = torch.empty(tokens, width, dtype=q.dtype, device=q.device)
     target = tmp if heads is None else tmp.view(tokens, heads, width // heads)
     vllm_op(*inputs, target, layer_name, **rest)
+    # the attention op's output_scale is the global scale (the quant's input_scale); its output_block_scale is
+    # the quant's output_scale (the block scales)
     quant_op()(tmp, output_scale, True, output=output.view(tokens, -1), output_scale=output_block_scale)
 
 

@@ -22,6 +22,8 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -636,6 +638,7 @@ def test_enable_as_a_function_installs_and_disable_restores(make_block):
 def _enable_disable(make_block):
     handle = fusion_pass.enable()
     try:
+        assert isinstance(handle, fusion_pass.EnabledPass) and handle.enabled
         assert isinstance(handle.fusion, FusionPass)
         assert inductor_config.post_grad_custom_post_pass is handle.fusion
         block = make_block()
@@ -734,11 +737,29 @@ def test_enable_handles_disabled_in_any_order_restore_what_was_there(order, prev
         assert not any(h.enabled for h in handles)
 
 
+def test_enable_is_a_function_returning_an_enabled_pass():
+    assert not isinstance(fusion_pass.enable, type) and callable(fusion_pass.enable)
+    given = FusionPass()
+    with inductor_config.patch(post_grad_custom_post_pass=None):
+        handle = fusion_pass.enable(given, recompile=False)
+        try:
+            assert type(handle) is fusion_pass.EnabledPass and handle.fusion is given and handle.enabled
+            assert inductor_config.post_grad_custom_post_pass is given
+            assert handle.report()["graphs"] == 0
+        finally:
+            handle.disable()
+        assert not handle.enabled and inductor_config.post_grad_custom_post_pass is None
+        with fusion_pass.enable(recompile=False) as fp:
+            assert type(fp) is FusionPass and inductor_config.post_grad_custom_post_pass is fp
+        assert inductor_config.post_grad_custom_post_pass is None
+
+
 @pytest.mark.parametrize("bad", ["x", 3, PATTERNS[0], FusionPass])
 def test_enable_rejects_what_is_not_a_fusion_pass(bad):
     installed = inductor_config.post_grad_custom_post_pass
-    with pytest.raises(TypeError, match=r"enable\(fusion\): fusion must be a FusionPass"):
+    with pytest.raises(TypeError, match=r"enable\(fusion\): fusion must be a FusionPass") as info:
         fusion_pass.enable(bad)
+    assert isinstance(info.value, nvfp4.ArgumentError)  # the project's bad-argument error, also a ValueError
     assert inductor_config.post_grad_custom_post_pass is installed
 
 
@@ -781,7 +802,10 @@ def test_report_totals_are_sums_over_graphs_and_each_graph_is_logged(make_block,
     assert report["refused"] == {"bf16_output_has_other_users": 1}
     assert report["seconds"] == pytest.approx(sum(g.seconds for g in fp.graphs))
     assert [g["graph"] for g in report["per_graph"]] == [0, 1]
-    assert report["runtime"] == counters.counters()
+    # only the fused block's layer was rewritten, and only its calls were guarded (the refused one's op wrote bf16)
+    assert report["rewritten_layers"] == [fused_block.attn.layer_name]
+    assert report["runtime"] == report["runtime_process"] == counters.counters()
+    assert report["graphs_from_cache"] == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "fusion_pass"]
     assert any(re.match(r"fusion_pass: graph 0: 1 candidates, 1 rewritten, refused: none", m) for m in lines), lines
     assert any(re.match(r"fusion_pass: graph 1: 1 candidates, 0 rewritten, refused: bf16_output_has_other_users=1",
@@ -810,10 +834,13 @@ def _compile_tiny_mla(prefix: str, fusion: FusionPass):
 
 def test_dump_writes_before_after_report_and_depyf(tmp_path):
     prefix = unique("dump")
-    with fusion_pass.compile.debug.dump(tmp_path) as path:
-        assert fusion_pass.compile.debug.active() and path == tmp_path
-        _compile_tiny_mla(prefix, FusionPass())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fusion_pass.compile.debug.dump(tmp_path) as path:
+            assert fusion_pass.compile.debug.active() and path == tmp_path
+            _compile_tiny_mla(prefix, FusionPass())
     assert not fusion_pass.compile.debug.active()
+    assert not [w for w in caught if "You are trying to debug" in str(w.message)], "depyf's warning was shown"
     befores = sorted(tmp_path.glob("graph_*_before.py"))
     assert len(befores) == 1, befores
     stem = str(befores[0])[: -len("_before.py")]
@@ -828,6 +855,26 @@ def test_dump_writes_before_after_report_and_depyf(tmp_path):
     assert [e["layer"] for e in report["layers"]] == [f"{prefix}.layers.0.self_attn.attn"]
     depyf_dir = tmp_path / "depyf"
     assert depyf_dir.is_dir() and any(depyf_dir.iterdir())
+    # the graph's depyf files: named after Dynamo's compiled function, listed in the report and the header
+    fn = report["depyf"]["compiled_fn"]
+    assert re.fullmatch(r"__compiled_fn_\d+", fn), report["depyf"]
+    on_disk = sorted(str(p.relative_to(tmp_path)) for p in depyf_dir.glob(f"{fn}.*"))
+    assert report["depyf"]["files"] == on_disk and on_disk
+    assert any("AFTER_POST_GRAD" in f for f in on_disk) and any("kernel" in f for f in on_disk), on_disk
+    assert report["depyf"]["transformed_code"], report["depyf"]  # the Dynamo bytecode that calls it
+    assert all(fn in (tmp_path / f).read_text() for f in report["depyf"]["transformed_code"])
+    assert report["compile_id"] == "0/0"
+    for text in (before, after):
+        assert f"# depyf files of this graph: depyf/{fn}.*" in text.splitlines()[1]
+    assert "Dynamo compile 0/0" in before.splitlines()[0]
+
+
+def test_dump_rejects_a_missing_directory_at_the_call():
+    for bad in (None, 3, ""):
+        with pytest.raises(ValueError, match=r"fusion_pass.debug.dump: directory must be a path") as info:
+            fusion_pass.debug.dump(bad)
+        assert isinstance(info.value, nvfp4.ArgumentError)
+    assert not fusion_pass.compile.debug.active()
 
 
 def test_each_dump_directory_numbers_graphs_from_zero(tmp_path):
@@ -865,3 +912,125 @@ def test_dump_from_environment_variable(tmp_path):
     report = json.loads((out / "graph_000_report.json").read_text())
     assert report["layers"][0]["layer"] == "env_dump.layers.0.self_attn.attn"
     assert (out / "depyf").is_dir() and any((out / "depyf").iterdir())
+
+
+# ---------------------------------------------------------------- the report's run-time counters are its own
+
+
+ZERO_RUNTIME = {"fused": 0, "fused_by_backend": {}, "fallback": {},
+                "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
+
+
+def _o_proj_of_attention(block: Block):
+    def f(q, kv_c, k_pe):
+        return block.o_proj(block.attn(q, kv_c, k_pe))
+
+    return f
+
+
+def test_a_pass_that_rewrote_nothing_reports_no_fused_call_after_another_pass_ran_fused_calls(make_block):
+    idle_block, fused_block = make_block(), make_block()
+    idle = FusionPass(patterns=("attention_nvfp4_quant",))  # no MLA entry: refuses the MLA layer
+    compile_and_run(_o_proj_of_attention(idle_block), idle_block, idle)
+    assert (idle.report()["candidates"], idle.report()["rewritten"]) == (1, 0)
+
+    fused = FusionPass()
+    compiled = compile_with(_o_proj_of_attention(fused_block), Recorder(fused))
+    for _ in range(2):  # two fused calls of the other pass's layer
+        run_compiled(compiled, PREFILL, *fused_block.inputs(PREFILL))
+        runtime.clear_kv_caches()
+
+    report = idle.report()
+    assert report["rewritten_layers"] == [] and report["runtime"] == ZERO_RUNTIME
+    assert report["prefill_fused_fraction"] is None
+    assert report["runtime_process"]["fused"] == 2 == counters.counters()["fused"]  # the process did fuse
+    mine = fused.report()
+    assert mine["rewritten_layers"] == [fused_block.attn.layer_name]
+    assert mine["runtime"]["fused_by_backend"] == {"reference": 2}
+    assert mine["runtime"]["tokens"]["prefill_fused"] == 2 * PREFILL.num_tokens
+    assert mine["prefill_fused_fraction"] == 1.0
+
+
+def test_two_passes_each_count_the_calls_of_the_layers_they_rewrote(make_block):
+    first_block, second_block = make_block(), make_block()
+    first, second = FusionPass(), FusionPass()
+    first_fn = compile_with(_o_proj_of_attention(first_block), Recorder(first))
+    second_fn = compile_with(_o_proj_of_attention(second_block), Recorder(second))
+    decode = BatchSpec((RequestSpec("r0", 1, 9), RequestSpec("r1", 1, 5)))  # continues PREFILL's requests
+    for fn, block, runs in ((first_fn, first_block, 3), (second_fn, second_block, 1)):
+        for i in range(runs):
+            run_compiled(fn, PREFILL, *block.inputs(PREFILL, seed=i))
+            run_compiled(fn, decode, *block.inputs(decode, seed=i))  # a decode batch: the fallback
+            runtime.clear_kv_caches()
+    assert first.report()["runtime"]["fused"] == 3 and first.report()["runtime"]["fallback"] == {"decode_tokens": 3}
+    assert second.report()["runtime"]["fused"] == 1 and second.report()["runtime"]["fallback"] == {"decode_tokens": 1}
+    process = first.report()["runtime_process"]
+    assert process["fused"] == 4 and process["fallback"] == {"decode_tokens": 4}
+    assert process == second.report()["runtime_process"] == counters.counters()
+
+
+def test_the_pattern_extra_check_gets_the_attention_shape(make_block):
+    import dataclasses
+
+    from fusion_pass.compile import matcher
+
+    seen = []
+
+    def record_shape(shape):
+        seen.append(shape)
+        return None
+
+    block = make_block(heads=2, v=32)
+    entry = dataclasses.replace(PATTERNS[0], extra_check=record_shape)
+    fp = FusionPass(patterns=(entry,))
+    compile_and_run(_o_proj_of_attention(block), block, fp)
+    assert fp.report()["rewritten"] == 1
+    assert seen == [matcher.AttentionShape(num_heads=2, v_head_dim=32)]
+    assert not hasattr(matcher, "Facts")
+
+
+# ---------------------------------------------------------------- FX graph cache hits
+
+
+def test_a_compile_served_by_the_fx_graph_cache_is_counted_and_logged(tmp_path):
+    """The same model compiled twice with the FX graph cache on (a cache directory of its own): the second
+    compile is served by the cache and the pass does not run; its report says so, and one line is logged."""
+    code = textwrap.dedent("""
+        import json, logging, sys
+        import torch, fusion_pass
+        from fusion_pass import runtime
+        from fusion_pass.demo import models, workload as demo
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s %(message)s")
+        logging.getLogger("fusion_pass").setLevel(logging.INFO)
+        torch._inductor.config.fx_graph_cache = True
+        spec = runtime.BatchSpec.from_lens([5, 3])
+        for attempt in range(2):
+            torch._dynamo.reset()  # a fresh Dynamo: the second compile looks the graph up in the cache
+            model = demo.build_model("mla", tiny=True, layers=1, prefix="cached")
+            positions, hidden = demo.make_inputs(spec, 256, "cpu", seed=0)
+            fp = fusion_pass.FusionPass()
+            with runtime.batch(spec), torch.no_grad():
+                torch.compile(model, options={"post_grad_custom_post_pass": fp})(positions, hidden)
+            runtime.clear_kv_caches()
+            models.release_layers(model)
+            report = fp.report()
+            print("REPORT " + json.dumps({k: report[k] for k in ("graphs", "graphs_from_cache", "rewritten",
+                                                                 "runtime", "runtime_process")}), flush=True)
+    """)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop(settings.BACKEND_ENV, None)
+    env.pop("FUSION_PASS_DUMP", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first, second = [json.loads(line[len("REPORT "):]) for line in proc.stdout.splitlines()
+                     if line.startswith("REPORT ")]
+    assert (first["graphs"], first["graphs_from_cache"], first["rewritten"]) == (1, 0, 1)
+    assert first["runtime"]["fused"] == 1
+    assert (second["graphs"], second["graphs_from_cache"], second["rewritten"]) == (0, 1, 0)
+    # the cached graph is the rewritten one: it ran a fused call, which this pass (it rewrote nothing) does not own
+    assert second["runtime"]["fused"] == 0 and second["runtime_process"]["fused"] == 2
+    served = [line for line in proc.stderr.splitlines() if "was served by Inductor's FX graph cache" in line]
+    assert len(served) == 1, proc.stderr[-4000:]
+    assert served[0].startswith("fusion_pass fusion_pass: compile 0/0 was served by Inductor's FX graph cache: "
+                                "the fusion pass did not run on its graph")

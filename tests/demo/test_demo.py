@@ -99,10 +99,31 @@ def test_requantization_bound_holds_for_float32_vs_bf16_quantization():
 def test_cli_demo_writes_json(tmp_path, capsys):
     path = tmp_path / "demo.json"
     assert cli.main(["demo", "--tiny", "--model", "gqa", "--layers", "1", "--json", str(path)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "decode_tokens" in printed and "1 rewritten" in printed
-    assert "prefill tokens on the fused path: 428 of 428 (100.0%)" in printed
+    assert ("prefill tokens on the fused path, per batch (each token once, whatever the number of layers): "
+            "428 of 428 (100.0%)") in printed
+    assert ("tokens, summed over every call of those layers (each prefill token once per layer): 428 of 428 "
+            "prefill tokens fused (100.0%)") in printed
     assert "speedup" not in printed  # timing is off by default on the CPU
+    # fused rows do not claim a byte mismatch: their bytes are compared within the bound
+    rows = {line.split()[1]: line for line in printed.splitlines() if line.startswith("gqa ")}
+    assert sorted(rows) == ["0", "1", "2", "3", "4"]
+    for step, line in rows.items():
+        if step == "1":  # the decode batch: the fallback, byte-equal to the unfused graph
+            assert " fallback " in line and " True " in line and "n/a" not in line, line
+        else:
+            assert " fused " in line and demo.NOT_COMPARED in line and "False" not in line, line
+    assert "bytes==unfused: required on fallback batches; n/a (fused)" in printed
+    # progress: one line per model and phase, on stderr only
+    progress = [line for line in captured.err.splitlines() if line.startswith("demo: ")]
+    assert progress[0].startswith("demo: gqa: building the model (1 layer, tiny, cpu)")
+    assert progress[1].startswith("demo: gqa: running the 5 batches")
+    assert progress[2:7] == [f"demo: gqa: batch {i + 1}/5: {s.kind}, {s.num_tokens} tokens"
+                             for i, s in enumerate(demo.workload())]
+    assert progress[-1] == "demo: done"
+    assert not [line for line in printed.splitlines() if line.startswith("demo: ")]
     data = json.loads(path.read_text())
     assert data["timing"] == []
     assert data["layers"] == 1 and data["rewritten"] == 1 and data["refused"] == {}
@@ -219,13 +240,52 @@ def test_cli_report_adds_up_process_reports(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"total: 2 processes, {2 * real['graphs']} graphs, {2 * real['candidates'] + 2} attention layers seen, " \
            f"2 rewritten, refused: quant_rows_are_not_tokens=2" in out
-    assert f"run time: {2 * real['runtime']['fused']} fused calls" in out
+    # the per-process sums are of each process's whole run time (runtime_process), not one pass's layers
+    assert f"run time: {2 * real['runtime_process']['fused']} fused calls" in out
     assert cli.main(["report", "--json", str(tmp_path)]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert [p["pid"] for p in summary["processes"]] == [101, 202]
-    assert summary["fallback"] == {k: 2 * v for k, v in real["runtime"]["fallback"].items()}
+    assert summary["fallback"] == {k: 2 * v for k, v in real["runtime_process"]["fallback"].items()}
 
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli.main(["report", str(empty)]) == 1
     assert "no vllm_report_*.json in" in capsys.readouterr().err
+
+
+def test_demo_counts_accept_numpy_integers_and_reject_the_rest():
+    import numpy as np
+
+    run = demo.run_demo((), layers=np.int64(1), warmup=np.int32(0), repeats=np.uint8(2))  # no model: checks only
+    assert run.results == [] and run.report["graphs"] == 0
+    for bad in ({"layers": 1.5}, {"layers": np.int64(0)}, {"warmup": -1}, {"repeats": True}, {"repeats": "3"}):
+        with pytest.raises(ValueError, match=rf"run_demo: {next(iter(bad))} must be an int >= "):
+            demo.run_demo((), **bad)
+    model = demo.build_model("gqa", tiny=True, layers=np.int64(1), prefix="test_demo.numpy")
+    try:
+        assert len(model.layers) == 1
+    finally:
+        from fusion_pass.demo.models import release_layers
+
+        release_layers(model)
+
+
+def test_run_demo_reports_progress_through_its_callback():
+    lines = []
+    run = demo.run_demo(("mla",), tiny=True, layers=1, progress=lines.append)
+    assert len(run.results) == 5
+    assert lines[0] == "demo: mla: building the model (1 layer, tiny, cpu) and calibrating its NVFP4 inputs"
+    assert [line.split(":")[2].strip() for line in lines[2:7]] == [f"batch {i}/5" for i in range(1, 6)]
+    assert lines[-1] == "demo: done" and len(lines) == 8
+
+
+def test_format_report_says_what_each_count_counts():
+    report = {"graphs": 2, "graphs_from_cache": 1, "candidates": 2, "rewritten": 2, "refused": {}, "seconds": 0.002,
+              "rewritten_layers": ["a", "b"],
+              "runtime": {"fused": 6, "fallback": {"decode_tokens": 2},
+                          "tokens": {"prefill": 30, "prefill_fused": 30, "post_quantized": {"decode_tokens": 4}}}}
+    text = demo.format_report(report)
+    assert "pass: 2 graphs (+1 served by the FX graph cache, the pass not run), 2 attention layers seen" in text
+    assert "run time: 6 fused calls, fallback calls: decode_tokens=2 (the calls of the 2 rewritten layers)" in text
+    assert ("tokens, summed over every call of those layers (each prefill token once per layer): 30 of 30 "
+            "prefill tokens fused (100.0%), post-quantized: decode_tokens=4") in text

@@ -72,8 +72,32 @@ def test_quant_out_rejects_bad_buffers(output, output_scale, match):
 def test_quant_rejects_bad_input():
     with pytest.raises(ValueError, match="divisible by 16"):
         scaled_fp4_quant(torch.randn(4, 24), torch.tensor([1.0]))
-    with pytest.raises(ValueError, match=r"input_scale \(the global scale\)"):
+    with pytest.raises(ValueError, match=r"input_global_scale \(the global scale\)"):
         scaled_fp4_quant(torch.randn(4, 32), torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((torch.randn(4, 32), 100.0), "scaled_fp4_quant: input_global_scale (the global scale) must be a one-element "
+                                      "float32 tensor, got float 100.0"),
+        ((torch.randn(4, 32), torch.tensor([1.0], dtype=torch.float64)),
+         "scaled_fp4_quant: input_global_scale (the global scale) must be a one-element float32 tensor, "
+         "got torch.float64 [1]"),
+        (([[1.0] * 32], torch.tensor([1.0])), "scaled_fp4_quant: input must be a tensor, got list"),
+        ((torch.randn(4, 32).to(torch.int32), torch.tensor([1.0])),
+         "scaled_fp4_quant: input must be float16, bfloat16 or float32, got torch.int32"),
+        ((torch.randn(4, 32), torch.tensor([1.0]), 1), "scaled_fp4_quant: is_sf_swizzled_layout must be True or False"),
+    ],
+)
+def test_quant_wrapper_names_a_bad_argument_in_one_line(args, message):
+    """The Python wrapper checks what the dispatcher would otherwise reject with its schema dump."""
+    with pytest.raises(nvfp4.ArgumentError) as info:
+        scaled_fp4_quant(*args)
+    text = str(info.value)
+    assert text.startswith(message), text
+    assert "\n" not in text and "schema" not in text.lower()
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
 
 
 # ---------------------------------------------------------------- nvfp4_gemm
@@ -179,8 +203,11 @@ def test_attention_ops_report_missing_context_layer_and_buffers(mla_layer):
     with pytest.raises(RuntimeError, match="no batch is set"):
         OPS.mla_attention_with_output(q, kv_c, k_pe, output, "test_ops.mla")
     with runtime.batch(runtime.BatchSpec.from_lens([4])):
-        with pytest.raises(KeyError, match="no_such_layer"):
+        with pytest.raises(KeyError, match="no_such_layer") as info:
             OPS.mla_attention_with_output(q, kv_c, k_pe, output, "no_such_layer")
+        assert isinstance(info.value, nvfp4.ArgumentError)  # a ValueError like the op's other argument errors
+        assert str(info.value).startswith("mla_attention_with_output: layer_name: no attention layer registered "
+                                          "as 'no_such_layer'")
         with pytest.raises(ValueError, match="output must be torch.bfloat16"):
             OPS.mla_attention_with_output(q, kv_c, k_pe, output.float(), "test_ops.mla")
         impl.clear_cache()
@@ -254,3 +281,118 @@ def test_fake_impls_give_shapes_under_fake_mode():
         x = torch.empty(300, 64, dtype=torch.bfloat16)
         packed, scales = scaled_fp4_quant(x, torch.empty(1))
         assert packed.shape == (300, 32) and scales.shape == (384, 4)
+
+
+# ---------------------------------------------------------------- the layer registry's errors
+
+
+def test_an_unknown_layer_name_is_a_value_error_and_still_a_key_error():
+    from fusion_pass.runtime.registry import UnknownLayerError
+
+    for call in (runtime.get_layer, runtime.unregister_layer):
+        with pytest.raises(ValueError) as info:
+            call("test_ops.no_such_layer")
+        error = info.value
+        assert type(error) is UnknownLayerError
+        assert isinstance(error, KeyError) and isinstance(error, nvfp4.ArgumentError)
+        # read as written: a plain KeyError would print the message quoted
+        assert str(error).startswith("no attention layer registered as 'test_ops.no_such_layer'"), str(error)
+        try:
+            call("test_ops.no_such_layer")
+        except KeyError:  # what existing callers catch
+            pass
+
+
+# ---------------------------------------------------------------- run-time counters by layer
+
+
+def _decision(path="fused", reason=None, backend="reference", prefill=10, fused=10, post=None):
+    from fusion_pass.runtime import guard
+
+    return guard.Decision(path, reason, backend, None, prefill, fused, post or {})
+
+
+def test_runtime_counters_count_per_layer_and_filter_by_layer(clean_backend_state):
+    from fusion_pass import ops
+    from fusion_pass.runtime import counters
+
+    counters.record(_decision(), layer_name="a")
+    counters.record(_decision(), layer_name="a")
+    counters.record(_decision("fallback", "decode_tokens", None, 0, 0, {"decode_tokens": 3}), layer_name="b")
+    counters.record(_decision(prefill=4, fused=4), layer_name="c")
+    counters.record(_decision(prefill=5, fused=5), layer_name="a")
+    counters.record(_decision(prefill=1, fused=1))  # no layer: the process total only
+
+    everything = ops.runtime_counters()
+    assert everything == counters.counters() == {
+        "fused": 5, "fused_by_backend": {"reference": 5}, "fallback": {"decode_tokens": 1},
+        "tokens": {"prefill": 30, "prefill_fused": 30, "post_quantized": {"decode_tokens": 3}}}
+    assert ops.runtime_counters(layers=["a"]) == {
+        "fused": 3, "fused_by_backend": {"reference": 3}, "fallback": {},
+        "tokens": {"prefill": 25, "prefill_fused": 25, "post_quantized": {}}}
+    assert ops.runtime_counters(layers="b") == {
+        "fused": 0, "fused_by_backend": {}, "fallback": {"decode_tokens": 1},
+        "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {"decode_tokens": 3}}}
+    both = ops.runtime_counters(layers=("a", "c", "a"))  # a name given twice counts once
+    assert both["fused"] == 4 and both["tokens"]["prefill_fused"] == 29
+    zero = {"fused": 0, "fused_by_backend": {}, "fallback": {},
+            "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
+    assert ops.runtime_counters(layers=[]) == ops.runtime_counters(layers=["never_counted"]) == zero
+    with pytest.raises(ValueError, match="layers must hold layer names"):
+        ops.runtime_counters(layers=[3])
+    counters.reset_counters()
+    assert ops.runtime_counters() == ops.runtime_counters(layers=["a"]) == zero
+
+
+def test_a_layer_registered_under_a_reused_name_starts_its_counts_afresh(clean_backend_state):
+    from fusion_pass import ops
+    from fusion_pass.runtime import counters
+
+    name = "test_ops.reused"
+    counters.record(_decision(), layer_name=name)  # the calls of an earlier layer of that name
+    impl = object()
+    runtime.register_layer(name, impl)
+    try:
+        assert ops.runtime_counters(layers=[name])["fused"] == 0
+        counters.record(_decision(), layer_name=name)
+        runtime.register_layer(name, impl)  # the same layer again: a no-op, its counts stay
+        assert ops.runtime_counters(layers=[name])["fused"] == 1
+    finally:
+        runtime.unregister_layer(name)
+    assert ops.runtime_counters(layers=[name])["fused"] == 1  # kept once released, for a report read later
+    assert ops.runtime_counters()["fused"] == 2  # the process total keeps every call
+
+
+def test_the_attention_op_counts_its_call_under_its_layer_name(mla_layer, clean_backend_state):
+    from fusion_pass import ops
+
+    impl, dims = mla_layer
+    spec = runtime.BatchSpec.from_lens([5, 3])
+    q, kv_c, k_pe = _mla_inputs(8, dims)
+    width = dims[0] * dims[3]
+    output = torch.empty(8, width // 2, dtype=torch.uint8)
+    block_scale = torch.empty(128, 1, dtype=torch.int32)
+    with runtime.batch(spec):
+        OPS.mla_attention_with_output(q, kv_c, k_pe, output, "test_ops.mla", torch.tensor([30.0]), block_scale)
+    impl.clear_cache()
+    mine = ops.runtime_counters(layers=["test_ops.mla"])
+    assert mine["fused"] == 1 and mine["tokens"]["prefill_fused"] == 8
+    assert ops.runtime_counters(layers=["test_ops.other"])["fused"] == 0
+    assert ops.runtime_counters() == mine
+
+
+# ---------------------------------------------------------------- numpy integers
+
+
+def test_batch_spec_accepts_numpy_integers():
+    import numpy as np
+
+    spec = runtime.BatchSpec.from_lens(np.array([1, 5]), np.array([7, 0]), dcp_world_size=np.int64(1))
+    assert [(r.query_len, r.context_len) for r in spec.requests] == [(1, 7), (5, 0)]
+    assert all(type(r.query_len) is int and type(r.context_len) is int for r in spec.requests)
+    assert type(spec.dcp_world_size) is int and spec.num_tokens == 6
+    assert runtime.RequestSpec("x", np.int32(3), np.uint8(2)) == runtime.RequestSpec("x", 3, 2)
+    with pytest.raises(ValueError, match="query_len must be an int"):
+        runtime.RequestSpec("x", np.float64(3.0))
+    with pytest.raises(ValueError, match="query_len must be an int"):
+        runtime.RequestSpec("x", np.bool_(True))

@@ -16,7 +16,8 @@ call, after the arguments are checked (:func:`check_fa4_args`). Needs the ``fa4`
 (``pip install 'attn-nvfp4-fusion[fa4]'``), pinned to the release the subclass was written
 against (:data:`FA4_VERSION`, :data:`CUTLASS_DSL_VERSION`; ``docs/fa4.md``).
 
-Compilation: the first call per configuration compiles (a few seconds); the compiled
+Compilation: the first call per configuration compiles (a few seconds, logged at INFO on the
+``fusion_pass`` logger with the configuration and the time it took); the compiled
 function is kept in an FA4 ``get_jit_cache`` cache whose key starts with
 :data:`KERNEL_VERSION` (FA4's persistent cache fingerprints only FA4's own sources, so an edit
 to our subclass must change that string). Token counts, batch size and head count are
@@ -27,8 +28,10 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import logging
 import math
 import threading
+import time
 import warnings
 
 import torch
@@ -73,6 +76,8 @@ SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
 ``tile_hdimv`` exactly and divides into whole 16-element blocks per epilogue thread."""
 
 FA4_INSTALL_HINT = "pip install 'attn-nvfp4-fusion[fa4]'"
+
+logger = logging.getLogger("fusion_pass")
 
 _BLOCK = 16
 
@@ -318,6 +323,7 @@ def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens,
     cache = _jit_cache()
     with _lock:
         if key not in cache:
+            started = time.perf_counter()
             kernel = FlashAttentionForwardSm90Nvfp4(
                 dtype,
                 d,
@@ -357,6 +363,10 @@ def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens,
                     cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
                     options=interface._compile_options(),
                 )
+            logger.info("fusion_pass: fa4: compiled the SM90 NVFP4 attention kernel (%s, head dims (%d, %d), "
+                        "%d query heads per KV head, causal=%s, tile %dx%d) in %.1f s; once per configuration and "
+                        "process", str(q.dtype).replace("torch.", ""), d, dv, qhead_per_kvhead, causal,
+                        cfg.m_block_size, cfg.n_block_size, time.perf_counter() - started)
         return cache[key]
 
 
