@@ -1,5 +1,5 @@
-"""Long work says what it is doing: the FA4 kernel's first compile of a configuration is logged with its time
-(the demo's progress lines are tested in test_demo.py)."""
+"""The FA4 kernel's first compile of a configuration is logged with its time: long work says what it is doing
+(the demo's progress lines are tested in tests/demo/test_demo.py)."""
 
 from __future__ import annotations
 
