@@ -154,9 +154,19 @@ def _run_backends() -> int:
     from fusion_pass.runtime.settings import (BACKEND_ENV, CONTEXT_WORKSPACE_ENV, configured_backend,
                                               context_workspace_tokens)
 
-    for entry in list_backends():
+    from fusion_pass.runtime.backends.selection import default_device
+
+    entries = list_backends()
+    for entry in entries:
         state = "available" if entry["available"] else "unavailable"
         print(f"{entry['name']:<10} {state:<12} {entry['reason']}")
+    picked = [e for e in entries if e["auto"]]
+    print(f"\nauto on {default_device()}: " + (
+        f"picks {picked[0]['name']} where it supports the layer ({picked[0]['auto_reason']})" if picked else
+        "picks no backend: fused calls take the exact fallback (no_fast_backend; name a backend to run it anyway)"))
+    for entry in entries:
+        if entry["available"] and not entry["auto"]:
+            print(f"  {entry['name']}: not picked by auto: {entry['auto_reason']}")
     try:
         print(f"\nchoice: {configured_backend()} ({BACKEND_ENV}); context workspace bound: "
               f"{context_workspace_tokens()} tokens ({CONTEXT_WORKSPACE_ENV})")

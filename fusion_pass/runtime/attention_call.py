@@ -54,7 +54,8 @@ def _half_prefill_kernel(impl, q: Tensor, spec, inputs: tuple) -> str | None:
     shape = layer_shape(impl, q, inputs)
     if shape.kv_dtype is not None:
         return None
-    backend, _ = backends.select_backend(q.device, q.dtype, shape.num_heads, shape.qk_head_dim, shape.v_head_dim)
+    backend, _ = backends.select_backend(q.device, q.dtype, shape.num_heads, shape.qk_head_dim, shape.v_head_dim,
+                                         fast_only=False)
     return backend.name if backend is not None and backend.name in ("fa4", "triton") else None
 
 

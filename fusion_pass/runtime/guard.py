@@ -31,13 +31,15 @@ FALLBACK_REASONS = (
     "decode_tokens",
     "layer_not_supported",
     "no_backend",
+    "no_fast_backend",
     "kv_dtype",
     "chunked_prefill",
 )
 """Why rows are post-quantized, in the order the guard checks them. ``decode_tokens`` also names the decode
 rows of a mixed batch whose prefill rows are fused; ``no_attention_metadata`` (vLLM's profile and dummy runs)
 and ``layer_not_supported`` (what vLLM's layer computes beyond plain causal attention) come from the vLLM
-adapter; ``kv_dtype``: keys / values in another dtype than the query, which the selected backend would round
+adapter; ``no_fast_backend``: a backend could run the layer, but ``auto`` takes only one this project
+measured faster than the unfused path on the device's GPU generation (name one to run it anyway); ``kv_dtype``: keys / values in another dtype than the query, which the selected backend would round
 to the query dtype (its ``kv_dtype`` is not float32)."""
 
 
@@ -127,7 +129,8 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     3. ``unsupported`` (what the layer computes that the fused kernels do not): ``"layer_not_supported"``;
     4. decode rows and ``decode_refusal`` (the caller cannot compute them apart): ``"decode_tokens"``;
     5. cached context and ``context_refusal`` (the caller cannot read it): ``"chunked_prefill"``;
-    6. no backend is selected for ``layer``: ``"no_backend"`` with each backend's reason in ``detail``;
+    6. no backend is selected for ``layer``: ``"no_backend"`` with each backend's reason in ``detail``, or
+       ``"no_fast_backend"`` when one could run it but ``auto`` takes none that is not measured fast here;
     6b. ``layer.kv_dtype`` is set, not the query dtype, and the backend's ``kv_dtype`` is not float32 (it would
        round the keys and values the unfused computation attends over as given): ``"kv_dtype"``;
     7. no prefill the backend runs (every prefill has cached context and the backend does not run such
@@ -156,7 +159,9 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     backend, why = backends.select_backend(layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
                                            layer.v_head_dim)
     if backend is None:
-        return fallback("no_backend", why)
+        usable, _ = backends.select_backend(layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
+                                            layer.v_head_dim, fast_only=False)
+        return fallback("no_backend" if usable is None else "no_fast_backend", why)
     if layer.kv_dtype not in (None, layer.dtype) and getattr(backend, "kv_dtype", None) != torch.float32:
         return fallback("kv_dtype", f"keys / values in {layer.kv_dtype} beside {layer.dtype} queries: backend "
                                     f"{backend.name} computes attention with them in the query dtype")

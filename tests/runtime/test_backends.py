@@ -9,7 +9,7 @@ import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
 from fusion_pass import nvfp4, runtime
-from fusion_pass.runtime import backends, row_plan, settings
+from fusion_pass.runtime import backends, guard, row_plan, settings
 
 from layer_cases import (CPU, GS, OPS, SPECS, cuda_backend_reason, decide, dense_causal,  # noqa: F401
                          nvfp4_buffers, padding_mask)
@@ -259,3 +259,65 @@ def test_select_backend_preferred_restricts_the_search():
     with pytest.raises(ValueError, match="unknown backend"):
         backends.get_backend("cudnn")
     assert all(isinstance(backends.get_backend(n), backends.Backend) for n in backends.BACKEND_ORDER)
+
+
+# ---------------------------------------------------------------- auto picks only what is measured fast
+
+
+def _usable_everywhere(monkeypatch, capability):
+    """Every backend available and supporting every layer; the CUDA device of the given capability."""
+    for cls in (backends.FA4Backend, backends.TritonBackend, backends.ReferenceBackend):
+        monkeypatch.setattr(cls, "available", lambda self: (True, f"{self.name} here"))
+        monkeypatch.setattr(cls, "supports", lambda self, *a: (True, "ok"))
+    monkeypatch.setattr(backends.fa4, "device_capability", lambda index: capability)
+
+
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("capability, picked", [((9, 0), "fa4"), ((10, 0), "fa4"), ((11, 0), "fa4"),
+                                                ((8, 0), None), ((8, 9), None), ((12, 0), None)])
+def test_auto_picks_only_a_backend_measured_fast_on_the_gpu_generation(monkeypatch, capability, picked):
+    _usable_everywhere(monkeypatch, capability)
+    shape = guard.LayerShape(CUDA0, torch.bfloat16, 16, 192, 128)
+    decision = guard.decide(guard.BatchRows.from_spec(SPECS["prefill"]), shape)
+    if picked:
+        assert (decision.path, decision.backend) == ("fused", picked)
+        return
+    # triton and reference could run it, fa4 has no kernel or measurement for this generation: the exact
+    # fallback, with every backend's reason
+    assert (decision.path, decision.reason) == ("fallback", "no_fast_backend")
+    assert decision.post_quantized == {"no_fast_backend": SPECS["prefill"].num_tokens}
+    assert f"sm_{capability[0]}{capability[1]}" in decision.detail
+    assert "triton: not picked by auto: measured at 0.67-0.82x" in decision.detail
+    assert "reference: not picked by auto: PyTorch float32 attention is far slower" in decision.detail
+    # named, each still runs
+    for name in ("triton", "reference", "fa4"):
+        with settings.use_backend(name):
+            named = guard.decide(guard.BatchRows.from_spec(SPECS["prefill"]), shape)
+        assert (named.path, named.backend) == ("fused", name)
+
+
+def test_no_backend_stays_the_reason_when_nothing_can_run(monkeypatch):
+    for cls in (backends.FA4Backend, backends.TritonBackend, backends.ReferenceBackend):
+        monkeypatch.setattr(cls, "supports", lambda self, *a: (False, "not these dims"))
+    decision = decide(SPECS["prefill"])
+    assert (decision.path, decision.reason) == ("fallback", "no_backend")
+
+
+def test_the_cpu_path_is_the_reference_backend():
+    decision = decide(SPECS["prefill"])
+    assert (decision.path, decision.backend) == ("fused", "reference")
+    assert backends.ReferenceBackend().fast_on(CPU)[0]
+    assert not backends.ReferenceBackend().fast_on(CUDA0)[0]
+    assert not backends.TritonBackend().fast_on(CUDA0)[0]
+
+
+def test_list_backends_says_what_auto_would_pick(monkeypatch):
+    _usable_everywhere(monkeypatch, (8, 0))
+    entries = {e["name"]: e for e in backends.list_backends(CUDA0)}
+    assert [entries[n]["auto"] for n in ("fa4", "triton", "reference")] == [False, False, False]
+    assert "sm_80" in entries["fa4"]["auto_reason"]
+    monkeypatch.setattr(backends.fa4, "device_capability", lambda index: (9, 0))
+    entries = {e["name"]: e for e in backends.list_backends(CUDA0)}
+    assert [entries[n]["auto"] for n in ("fa4", "triton", "reference")] == [True, False, False]

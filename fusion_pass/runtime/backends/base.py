@@ -37,6 +37,12 @@ class Backend(Protocol):
         """``(True, short description)`` or ``(False, why not)``; cached per process."""
         ...
 
+    def fast_on(self, device: torch.device) -> tuple[bool, str]:
+        """Whether ``auto`` may pick this backend on ``device``: ``(True, why)`` where this project measured it
+        faster than the unfused path a user has on that GPU generation (or it is the kernel built for it),
+        else ``(False, why not)``. A backend named explicitly runs regardless."""
+        ...
+
     def supports(
         self, device: torch.device, dtype: torch.dtype, num_heads: int, qk_head_dim: int, v_head_dim: int
     ) -> tuple[bool, str]:

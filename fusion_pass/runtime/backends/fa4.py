@@ -212,6 +212,15 @@ class FA4Backend(KernelBackend):
     def available(self) -> tuple[bool, str]:
         return fa4_status()
 
+    def fast_on(self, device) -> tuple[bool, str]:
+        capability = device_capability(torch.device(device).index) if torch.device(device).type == "cuda" else None
+        if capability is not None and capability[0] == 9:
+            return True, "measured faster than cuDNN attention + quant at 7 of 9 shapes on the H200 (docs/benchmarks.md)"
+        if capability is not None and capability[0] in (10, 11):
+            return True, "FA4's own kernel for this GPU generation"
+        found = "no CUDA device" if capability is None else f"sm_{capability[0]}{capability[1]}"
+        return False, f"no measurement or kernel of this project for {found}"
+
     def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
         ok, why = check_device_dtype(self.name, device, dtype, HALF_DTYPES)
         if not ok:

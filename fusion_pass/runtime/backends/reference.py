@@ -27,6 +27,11 @@ class ReferenceBackend(KernelBackend):
     def available(self) -> tuple[bool, str]:
         return True, "PyTorch float32 attention + nvfp4.quantize, any device"
 
+    def fast_on(self, device) -> tuple[bool, str]:
+        if torch.device(device).type == "cpu":
+            return True, "the CPU path: no faster fused kernel exists there"
+        return False, f"PyTorch float32 attention is far slower on {device} than the unfused path's attention kernel"
+
     def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return False, f"reference supports float16, bfloat16 and float32 queries, got {dtype}"

@@ -40,12 +40,21 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"unknown backend {name!r}; backends: {', '.join(BACKEND_ORDER)}") from None
 
 
-def list_backends() -> list[dict[str, Any]]:
-    """One entry per backend, in preference order: ``{"name", "available", "reason"}``."""
+def default_device() -> torch.device:
+    """The device a layer on this machine most likely runs on: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def list_backends(device: torch.device | str | None = None) -> list[dict[str, Any]]:
+    """One entry per backend, in preference order: ``{"name", "available", "reason", "auto", "auto_reason"}``:
+    whether it runs here and why, and whether ``auto`` may pick it on ``device`` (default
+    :func:`default_device`) and why (:meth:`~fusion_pass.runtime.backends.base.Backend.fast_on`)."""
+    device = default_device() if device is None else torch.device(device)
     result = []
     for name in BACKEND_ORDER:
         ok, reason = _BACKENDS[name].available()
-        result.append({"name": name, "available": ok, "reason": reason})
+        fast, why = _BACKENDS[name].fast_on(device) if ok else (False, "unavailable")
+        result.append({"name": name, "available": ok, "reason": reason, "auto": fast, "auto_reason": why})
     return result
 
 
@@ -57,13 +66,17 @@ def select_backend(
     v_head_dim: int,
     *,
     preferred: str | None = None,
+    fast_only: bool = True,
 ) -> tuple[Backend | None, str]:
     """The first available backend that supports the layer, and why.
 
     ``preferred`` (a backend name, or ``"auto"``) overrides the configured
     choice (:func:`fusion_pass.runtime.settings.configured_backend`); a named choice restricts the search to
-    that backend. Returns ``(backend, its description)`` or ``(None, reasons)``
-    with one ``"name: why"`` per backend tried, joined by ``"; "``.
+    that backend and runs it wherever it works. ``auto`` takes only a backend that is fast on the device
+    (:meth:`~fusion_pass.runtime.backends.base.Backend.fast_on`: measured faster than the unfused path on
+    that GPU generation, or the kernel built for it), unless ``fast_only`` is False. Returns
+    ``(backend, its description)`` or ``(None, reasons)`` with one ``"name: why"`` per backend tried, joined
+    by ``"; "``.
     """
     choice = settings.configured_backend() if preferred is None else _preferred(preferred)
     names = BACKEND_ORDER if choice == "auto" else (choice,)
@@ -74,6 +87,9 @@ def select_backend(
         ok, why = backend.available()
         if ok:
             ok, unsupported = backend.supports(device, dtype, num_heads, qk_head_dim, v_head_dim)
+            if ok and choice == "auto" and fast_only:
+                ok, unsupported = backend.fast_on(device)
+                unsupported = f"not picked by auto: {unsupported}"
             if ok:
                 return backend, why
             why = unsupported

@@ -69,6 +69,10 @@ class TritonBackend(KernelBackend):
     def available(self) -> tuple[bool, str]:
         return triton_status()
 
+    def fast_on(self, device) -> tuple[bool, str]:
+        return False, ("measured at 0.67-0.82x of cuDNN attention + quant on the H200 (docs/benchmarks.md); "
+                       "it runs when asked for by name")
+
     def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
         ok, why = check_device_dtype(self.name, device, dtype, HALF_DTYPES)
         if not ok:
