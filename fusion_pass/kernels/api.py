@@ -35,17 +35,18 @@ Backends of the attention entry points (``backend=``):
     :mod:`fusion_pass.kernels.triton.flash_attention`: CUDA tensors, or CPU tensors
     under Triton's interpreter (``TRITON_INTERPRET=1``, tests only).
 ``fa4``
-    FlashAttention-4 on SM90 (H100/H200; needs the ``fa4`` extra): ``attention``
-    and ``attention_with_lse`` are FA4's own varlen forward, ``attention_nvfp4``
-    FA4's SM90 kernel with our NVFP4 epilogue (bytes equal to :func:`quantize` of
-    FA4's bf16/fp16 output).
-    Head dims ``(D, Dv)`` in :data:`fusion_pass.kernels.fa4.sm90.SUPPORTED_HEAD_DIMS`.
+    FlashAttention-4 on SM90 (H100/H200) and SM100/SM110 (B200, GB200; needs the ``fa4``
+    extra): ``attention`` and ``attention_with_lse`` are FA4's varlen forward, ``attention_nvfp4``
+    FA4's kernel of that generation with our NVFP4 output stage (bytes equal to :func:`quantize`
+    of ``attention``'s bf16/fp16 output; :mod:`fusion_pass.kernels.fa4.forward`). Head dims
+    ``(D, Dv)`` in :func:`fusion_pass.kernels.fa4.forward.supported_head_dims`. The SM100 kernels
+    were compiled here but never run (docs/blackwell.md).
 ``reference``
     float32 PyTorch attention per sequence, then (NVFP4) the reference
     quantizer. Any device.
 ``auto``
-    ``fa4`` when available for the tensors (SM90, FA4 importable, supported
-    head dims), else ``triton`` for CUDA tensors, else ``reference``.
+    ``fa4`` when available for the tensors (SM90 or SM100/SM110, FA4 importable,
+    supported head dims), else ``triton`` for CUDA tensors, else ``reference``.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ from fusion_pass.kernels.choice import (
     choose_merge,
     triton_or_reference,
 )
-from fusion_pass.kernels.fa4.sm90 import fa4_attention_nvfp4_varlen, fa4_attention_varlen
+from fusion_pass.kernels.fa4.forward import fa4_attention_nvfp4_varlen, fa4_attention_varlen
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.nvfp4.checks import check_global_scale, check_rows_into, check_x, is_concrete
 

@@ -14,7 +14,7 @@ from torch import Tensor
 import torch
 
 from fusion_pass import nvfp4
-from fusion_pass.kernels.fa4.sm90 import fa4_sm90_usable
+from fusion_pass.kernels.fa4.forward import fa4_usable as fa4_layer_usable
 from fusion_pass.nvfp4 import ArgumentError
 
 ATTENTION_BACKENDS = ("auto", "triton", "fa4", "reference")
@@ -73,7 +73,7 @@ def triton_or_reference(fn: str, backend: str, device: torch.device, *, fits: bo
 
 
 def fa4_usable(q: Tensor, v: Tensor) -> tuple[bool, str]:
-    return fa4_sm90_usable(q.device, q.dtype, q.shape[1], q.shape[2], v.shape[2])
+    return fa4_layer_usable(q.device, q.dtype, q.shape[1], q.shape[2], v.shape[2])
 
 
 def choose(fn: str, backend: str, q: Tensor, v: Tensor) -> str:

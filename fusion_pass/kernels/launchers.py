@@ -14,7 +14,7 @@ from fusion_pass import nvfp4
 from fusion_pass.kernels import reference
 from fusion_pass.kernels.checks import check_cu_seqlens_k, check_max_seqlen_k, check_qkv, describe
 from fusion_pass.kernels.choice import triton_importable
-from fusion_pass.kernels.fa4.sm90 import fa4_attention_nvfp4_varlen, fa4_attention_varlen
+from fusion_pass.kernels.fa4.forward import fa4_attention_nvfp4_varlen, fa4_attention_varlen
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.nvfp4.reference import write_rows
 

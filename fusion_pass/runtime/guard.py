@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from fusion_pass.runtime import backends
+from fusion_pass.runtime import backends, self_check
 from fusion_pass.runtime.backends.base import fuses
 
 __all__ = ["BatchRows", "Decision", "FALLBACK_REASONS", "LayerShape", "decide"]
@@ -32,6 +32,8 @@ FALLBACK_REASONS = (
     "layer_not_supported",
     "no_backend",
     "no_fast_backend",
+    "self_check_failed",
+    "self_check_pending",
     "kv_dtype",
     "chunked_prefill",
 )
@@ -39,7 +41,10 @@ FALLBACK_REASONS = (
 rows of a mixed batch whose prefill rows are fused; ``no_attention_metadata`` (vLLM's profile and dummy runs)
 and ``layer_not_supported`` (what vLLM's layer computes beyond plain causal attention) come from the vLLM
 adapter; ``no_fast_backend``: a backend could run the layer, but ``auto`` takes only one this project
-measured faster than the unfused path on the device's GPU generation (name one to run it anyway); ``kv_dtype``: keys / values in another dtype than the query, which the selected backend would round
+measured faster than the unfused path on the device's GPU generation (name one to run it anyway);
+``self_check_failed``: the backend's kernel differed from its unfused twin on the first-use canary and is
+disabled for the process; ``self_check_pending``: the canary has not run yet and cannot run now (a CUDA graph is
+being captured) (:mod:`fusion_pass.runtime.self_check`); ``kv_dtype``: keys / values in another dtype than the query, which the selected backend would round
 to the query dtype (its ``kv_dtype`` is not float32)."""
 
 
@@ -134,7 +139,10 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     6b. ``layer.kv_dtype`` is set, not the query dtype, and the backend's ``kv_dtype`` is not float32 (it would
        round the keys and values the unfused computation attends over as given): ``"kv_dtype"``;
     7. no prefill the backend runs (every prefill has cached context and the backend does not run such
-       prefills; with ``allow_partial=False``, any prefill with context it does not run): ``"chunked_prefill"``.
+       prefills; with ``allow_partial=False``, any prefill with context it does not run): ``"chunked_prefill"``;
+    8. the backend's kernel failed its first-use self-check, or it has not run and a CUDA graph is being
+       captured (:func:`fusion_pass.runtime.self_check.verify`; runs the canary on first need):
+       ``"self_check_failed"`` / ``"self_check_pending"``.
 
     Otherwise the prefill rows the backend runs (:func:`fuses`) are fused and the rest post-quantized: decode
     rows counted under ``"decode_tokens"``, rows of prefills with cached context the backend does not run under
@@ -170,6 +178,10 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
                f"post-quantized: backend {backend.name} runs prefills without cached context only")
     if fused == 0 or (fused != prefill and not allow_partial):
         return fallback("chunked_prefill", context[2:])
+    refused, checked = self_check.verify(backend, layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
+                                         layer.v_head_dim)
+    if refused:
+        return fallback(refused, checked)
     unfused = {"decode_tokens": d, "chunked_prefill": prefill - fused}
     rest = {k: v for k, v in unfused.items() if v}
     detail = why + (f"; {d} decode row(s) post-quantized" if d else "") + context

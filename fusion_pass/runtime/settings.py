@@ -1,4 +1,5 @@
-"""The run time's settings: which fused backend serves a layer, and the context workspace bound.
+"""The run time's settings: which fused backend serves a layer, the context workspace bound, and which fused
+kernels are self-checked before their first use.
 
 Each setting is read, in order of precedence, from:
 
@@ -8,7 +9,7 @@ Each setting is read, in order of precedence, from:
    ``use_*(None)`` lets the environment decide inside the block, ignoring ``set_*``;
 2. ``set_*(value)``: the process-wide value, seen by every thread without a ``use_*`` block of its own;
    ``set_*(None)`` goes back to the environment;
-3. the environment variable (:data:`BACKEND_ENV`, :data:`CONTEXT_WORKSPACE_ENV`);
+3. the environment variable (:data:`BACKEND_ENV`, :data:`CONTEXT_WORKSPACE_ENV`, :data:`SELF_CHECK_ENV`);
 4. the default.
 
 A bad value raises ValueError naming its source before anything else happens: ``set_*`` / ``use_*`` when
@@ -29,13 +30,18 @@ __all__ = [
     "BACKEND_ENV",
     "CONTEXT_WORKSPACE_ENV",
     "DEFAULT_CONTEXT_WORKSPACE_TOKENS",
+    "SELF_CHECK_ENV",
+    "SELF_CHECK_MODES",
     "check_environment",
     "configured_backend",
     "context_workspace_tokens",
     "set_backend",
+    "self_check_mode",
     "set_context_workspace_tokens",
+    "set_self_check",
     "use_backend",
     "use_context_workspace_tokens",
+    "use_self_check",
 ]
 
 T = TypeVar("T")
@@ -51,6 +57,13 @@ CONTEXT_WORKSPACE_ENV = "FUSION_PASS_CONTEXT_WORKSPACE_TOKENS"
 
 DEFAULT_CONTEXT_WORKSPACE_TOKENS = 65536
 """Default context workspace bound: vLLM's cap on its MLA chunked-prefill workspace (64k tokens)."""
+
+SELF_CHECK_ENV = "FUSION_PASS_SELF_CHECK"
+"""Environment variable choosing which fused kernels are self-checked (one of :data:`SELF_CHECK_MODES`)."""
+
+SELF_CHECK_MODES = ("auto", "all", "off")
+"""``auto``: kernels this project never ran on hardware (SM100); ``all``: every fused kernel that offers a
+self-check; ``off``: none (docs/blackwell.md)."""
 
 _UNSET: Any = object()
 _ENVIRONMENT: Any = object()  # use_*(None): the environment decides, ignoring set_*
@@ -110,7 +123,15 @@ def _token_count(value: Any, source: str) -> int:
     return int(value)
 
 
+def _self_check_mode(value: Any, source: str) -> str:
+    mode = value.strip().lower() if isinstance(value, str) else value
+    if mode not in SELF_CHECK_MODES:
+        raise ValueError(f"{source}={value!r} is not a self-check mode; choose one of {', '.join(SELF_CHECK_MODES)}")
+    return mode
+
+
 _backend = _Setting("backend", BACKEND_ENV, "auto", _backend_choice)
+_self_check = _Setting("self_check", SELF_CHECK_ENV, "auto", _self_check_mode)
 _workspace = _Setting("workspace", CONTEXT_WORKSPACE_ENV, DEFAULT_CONTEXT_WORKSPACE_TOKENS, _token_count)
 
 
@@ -152,6 +173,22 @@ def use_context_workspace_tokens(tokens: int | None):
     return _workspace.use(tokens, "use_context_workspace_tokens(tokens)")
 
 
+def self_check_mode() -> str:
+    """Which fused kernels run their canary before serving (:data:`SELF_CHECK_MODES`; default ``auto``)."""
+    return _self_check.get()
+
+
+def set_self_check(mode: str | None) -> str | None:
+    """Set the process-wide self-check mode (``None``: back to the environment / ``auto``); returns the
+    previous setting."""
+    return _self_check.set(mode, "set_self_check(mode)")
+
+
+def use_self_check(mode: str | None):
+    """The self-check mode inside the ``with`` block, for the calling thread / task only. Nestable."""
+    return _self_check.use(mode, "use_self_check(mode)")
+
+
 def check_token_count(source: str, tokens: Any) -> int:
     """``tokens`` as a positive int, else ValueError naming ``source``."""
     return _token_count(tokens, source)
@@ -161,3 +198,4 @@ def check_environment() -> None:
     """Read every setting's environment variable now: a bad value raises ValueError naming the variable."""
     _backend.from_environment()
     _workspace.from_environment()
+    _self_check.from_environment()

@@ -399,14 +399,14 @@ def test_nvfp4_entry_rejects_bad_arguments_before_importing_fa4(change, error, m
     q, k, v, cu, out, gs, sf = _cpu_args()
     args = dict(q=q, k=k, v=v, cu_seqlens=cu, max_seqlen=6, softmax_scale=0.1, causal=True,
                 output=out, output_scale=gs, output_block_scale=sf)
-    monkeypatch.setattr(fa4_sm90, "_fa4_interface", lambda: pytest.fail("FA4 imported before the checks"))
+    monkeypatch.setattr(fa4_sm90, "fa4_interface", lambda: pytest.fail("FA4 imported before the checks"))
     args = change(args)
     with pytest.raises(error, match=match):
         fa4_sm90.fa4_attention_nvfp4_varlen(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
 
 def test_nvfp4_entry_needs_whole_8_byte_words_per_row(monkeypatch):
-    monkeypatch.setattr(fa4_sm90, "_fa4_interface", lambda: pytest.fail("FA4 imported before the checks"))
+    monkeypatch.setattr(fa4_sm90, "fa4_interface", lambda: pytest.fail("FA4 imported before the checks"))
     q, k, v, cu, _, gs, _ = _cpu_args(h=1, hkv=1, d=64, dv=64)  # H*Dv/2 = 32: fine
     fa4_sm90.check_nvfp4_buffers("f", q, v, torch.zeros(10, 32, dtype=torch.uint8), gs,
                                  torch.zeros(128 * 4, dtype=torch.uint8))
@@ -416,7 +416,7 @@ def test_nvfp4_entry_needs_whole_8_byte_words_per_row(monkeypatch):
 
 
 def test_bf16_entry_rejects_bad_arguments_before_importing_fa4(monkeypatch):
-    monkeypatch.setattr(fa4_sm90, "_fa4_interface", lambda: pytest.fail("FA4 imported before the checks"))
+    monkeypatch.setattr(fa4_sm90, "fa4_interface", lambda: pytest.fail("FA4 imported before the checks"))
     q, k, v, cu, *_ = _cpu_args()
     with pytest.raises(ValueError, match=r"q must be a 3-D tensor"):
         fa4_sm90.fa4_attention_varlen(q[0], k, v, cu, 6, causal=True, softmax_scale=0.1)
@@ -462,17 +462,6 @@ def test_module_imports_without_fa4_and_detection_says_why():
         assert backends.get_backend("fa4").available()[1].endswith("(pip install 'attn-nvfp4-fusion[fa4]')")
 
 
-def test_sm90_detection_branches():
-    assert backends.fa4_sm90_availability(None, (9, 0)) == (
-        False, "flash_attn.cute is not installed (pip install 'attn-nvfp4-fusion[fa4]')")
-    module = object()
-    assert backends.fa4_sm90_availability(module, (8, 0), kernel_status=(True, "x")) == (
-        False, "the SM90 kernel needs an SM90 GPU, found sm_80")
-    assert backends.fa4_sm90_availability(module, (9, 0), kernel_status=(False, "boom")) == (False, "boom")
-    ok, why = backends.fa4_sm90_availability(module, (9, 0), kernel_status=(True, "flash-attn-4 4.0.0b36"))
-    assert ok and "sm_90" in why and "4.0.0b36" in why
-
-
 def test_kernels_do_not_import_backends_or_runtime():
     """Layering (ARCHITECTURE.md): the kernels take tensors and return tensors."""
     import ast
@@ -516,7 +505,7 @@ def test_sm90_kernel_compiles_on_the_cpu():
                 fa4_sm90.fa4_attention_nvfp4_varlen(q, k, v, cu_seqlens=cu, max_seqlen=700, softmax_scale=0.1,
                                                     causal=True, output=out, output_scale=gs, output_block_scale=sf,
                                                     **ctx)
-        print("compiled", len(fa4_sm90._jit_cache().cache) if hasattr(fa4_sm90._jit_cache(), "cache") else "")
+        print("compiled")
     """)
     env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)

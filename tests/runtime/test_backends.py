@@ -44,7 +44,7 @@ def test_availability_is_cached(monkeypatch):
     calls = []
     try:
         with monkeypatch.context() as m:
-            m.setattr(backends.fa4, "_import_fa4", lambda: calls.append("fa4") or (None, "x"))
+            m.setattr(backends.fa4.fa4_common, "fa4_import_status", lambda module: calls.append("fa4") or (False, "x"))
             m.setattr(backends.triton, "triton_availability", lambda: calls.append("triton") or (False, "x"))
             for _ in range(3):
                 backends.list_backends()
@@ -58,41 +58,28 @@ def test_availability_is_cached(monkeypatch):
         backends.refresh()  # drop the fakes' cached results
 
 
-def _fake_fa4_module(with_args=("out", "output_scale", "output_scales")):
-    params = ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal"]
-    src = "def flash_attn_varlen_func({}):\n    pass\n".format(", ".join(f"{p}=None" for p in params + list(with_args)))
-    module = types.ModuleType("flash_attn.cute")
-    exec(src, module.__dict__)
-    return module
-
-
-def test_fa4_detection_branches():
-    assert backends.fa4_availability(None, (10, 0)) == (False, "flash_attn.cute is not installed")
-    assert backends.fa4_availability(None, (10, 0), import_error="flash_attn.cute failed to import: boom") == (
-        False, "flash_attn.cute failed to import: boom")
-    ok, why = backends.fa4_availability(types.ModuleType("flash_attn.cute"), (10, 0))
-    assert not ok and why == "installed flash_attn.cute has no flash_attn_varlen_func"
-
-    # a released FA4 (FP8 output only): out and output_scale, no output_scales
-    ok, why = backends.fa4_availability(_fake_fa4_module(("out", "output_scale")), (10, 0))
-    assert not ok
-    assert why.startswith("installed flash_attn.cute.flash_attn_varlen_func has no NVFP4 output arguments "
-                          "(out/output_scale/output_scales)")
-    assert why.endswith("missing: output_scales")
-    ok, why = backends.fa4_availability(_fake_fa4_module(()), (10, 0))
-    assert not ok and why.endswith("missing: out, output_scale, output_scales")
-
-    nvfp4_fa4 = _fake_fa4_module()
-    assert backends.fa4_availability(nvfp4_fa4, (9, 0)) == (False, "needs an SM100/SM110 GPU, found sm_90")
-    assert backends.fa4_availability(nvfp4_fa4, (12, 0)) == (False, "needs an SM100/SM110 GPU, found sm_120")
-    assert backends.fa4_availability(nvfp4_fa4, None) == (False, "no CUDA device")
-    ok, why = backends.fa4_availability(nvfp4_fa4, (10, 0), has_fp4_dtype=False)
-    assert not ok and "float4_e2m1fn_x2" in why
-    for capability in ((10, 0), (11, 0)):
-        ok, why = backends.fa4_availability(nvfp4_fa4, capability, has_fp4_dtype=True)
-        assert ok and f"sm_{capability[0]}0" in why
-    # the function itself may be passed instead of the module
-    assert backends.fa4_availability(nvfp4_fa4.flash_attn_varlen_func, (10, 0), has_fp4_dtype=True)[0]
+@pytest.mark.parametrize("arch, module, available, words", [
+    (None, "sm90_kernel", False, "no CUDA device"),
+    (90, "sm90_kernel", True, "FA4 SM90 forward with the fusion_pass NVFP4 output stage on sm_90 (flash-attn-4"),
+    (100, "sm100_kernel", True, "FA4 SM100 forward with the fusion_pass NVFP4 output stage on sm_100 (flash-attn"),
+    (110, "sm100_kernel", True, "FA4 SM100 forward with the fusion_pass NVFP4 output stage on sm_110 (flash-attn"),
+    (120, "sm90_kernel", False, "no kernel of this project for sm_120"),
+    (80, "sm90_kernel", False, "no kernel of this project for sm_80"),
+])
+def test_fa4_status_names_the_generation_and_imports_its_kernel(monkeypatch, arch, module, available, words):
+    asked = []
+    monkeypatch.setattr(backends.fa4, "device_arch", lambda index: arch)
+    monkeypatch.setattr(backends.fa4.fa4_common, "fa4_import_status",
+                        lambda name: asked.append(name) or (True, "flash-attn-4 4.0.0b36"))
+    backends.fa4.fa4_status.cache_clear()
+    try:
+        ok, why = backends.fa4.fa4_status()
+        assert ok is available and why.startswith(words) and asked == [module]
+        monkeypatch.setattr(backends.fa4.fa4_common, "fa4_import_status", lambda name: (False, "broken install"))
+        backends.fa4.fa4_status.cache_clear()
+        assert backends.fa4.fa4_status() == (False, "broken install")
+    finally:
+        backends.fa4.fa4_status.cache_clear()
 
 
 def test_triton_detection_branches():
@@ -140,49 +127,21 @@ def test_supports():
         assert not ok and "float32" in why
 
 
-def test_fa4_call_kwargs_builds_views_of_the_opnvfp4_buffers():
-    t, h, dv = 130, 4, 32
-    output, block_scale = nvfp4_buffers(t, h * dv)
-    q = torch.randn(t, h, 48, dtype=torch.bfloat16)
-    k = torch.randn(t, h, 48, dtype=torch.bfloat16)
-    v = torch.randn(t, h, dv, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 100, 130], dtype=torch.int32)
-    kw = backends.fa4_call_kwargs(output, GS, block_scale, q=q, k=k, v=v, cu_seqlens=cu, max_seqlen=100,
-                                  softmax_scale=0.125, num_heads=h, v_head_dim=dv)
-    assert set(kw) == {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                       "softmax_scale", "causal", "out", "output_scale", "output_scales"}
-    assert kw["out"].dtype == torch.float4_e2m1fn_x2 and kw["out"].shape == (t, h, dv // 2)
-    assert kw["out"].data_ptr() == output.data_ptr()
-    assert kw["output_scale"] is GS
-    assert kw["output_scales"].dtype == torch.float8_e4m3fn and kw["output_scales"].shape == (256, 8)
-    assert kw["output_scales"].data_ptr() == block_scale.data_ptr()
-    assert kw["q"] is q and kw["k"] is k and kw["v"] is v
-    assert kw["cu_seqlens_q"] is cu and kw["cu_seqlens_k"] is cu
-    assert kw["max_seqlen_q"] == kw["max_seqlen_k"] == 100
-    assert kw["softmax_scale"] == 0.125 and kw["causal"] is True
-    # writes through the views land in the op's buffers
-    kw["output_scales"].view(torch.uint8)[1, 2] = 7
-    assert block_scale.view(torch.uint8).view(256, 8)[1, 2] == 7
-
-
 def test_fa4_run_path_with_an_injected_kernel(layer):
-    """FA4Backend.run end to end on the CPU with a PyTorch stand-in for the FA4 kernel.
-
-    The stand-in writes only the scales of real rows/columns, so the zero padding
-    must come from the backend."""
+    """FA4Backend.run_varlen end to end on the CPU through the row plan, with a PyTorch stand-in for the fused
+    FA4 launcher (same arguments): the backend passes the prepared prefill inputs and the op's buffers."""
     seen = {}
 
-    def fake_varlen(**kw):
-        seen.update(kw)
-        o = dense_causal(kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"], kw["softmax_scale"])
+    def fake_fused(q, k, v, *, cu_seqlens, max_seqlen, softmax_scale, causal, output, output_scale,
+                   output_block_scale, cu_seqlens_k=None, max_seqlen_k=None):
+        seen.update(q=q, k=k, v=v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale,
+                    causal=causal, cu_seqlens_k=cu_seqlens_k)
+        o = dense_causal(q, k, v, cu_seqlens, softmax_scale)
         seen["attn"] = o
         t = o.shape[0]
-        packed, scales = nvfp4.quantize(o.reshape(t, -1), kw["output_scale"], swizzled=False)
-        kw["out"].view(torch.uint8).view(t, -1).copy_(packed)
-        n_blocks = scales.shape[1]
-        m, c = torch.arange(t).unsqueeze(1), torch.arange(n_blocks).unsqueeze(0)
-        flat = kw["output_scales"].view(torch.uint8).view(-1)
-        flat[nvfp4.swizzled_offset(m, c, n_blocks).reshape(-1)] = scales.view(torch.uint8).reshape(-1)
+        packed, scales = nvfp4.quantize(o.reshape(t, -1), output_scale)
+        output.copy_(packed)
+        output_block_scale.view(torch.uint8).view(-1).copy_(scales.view(torch.uint8).view(-1))
 
     spec = runtime.BatchSpec.from_lens([9, 4])
     inputs = layer.inputs(spec.num_tokens, seed=11)
@@ -191,23 +150,21 @@ def test_fa4_run_path_with_an_injected_kernel(layer):
     rows, cols = nvfp4.scale_shape(t, layer.width)
     block_scale = torch.full((rows, cols // 4), -1, dtype=torch.int32)
     layer.impl.clear_cache()
-    row_plan.run_on_prefill(backends.FA4Backend(varlen_func=fake_varlen), layer.impl, inputs, spec, output, GS,
+    row_plan.run_on_prefill(backends.FA4Backend(fused_kernel=fake_fused), layer.impl, inputs, spec, output, GS,
                             block_scale)
 
     assert seen["causal"] is True and seen["softmax_scale"] == layer.impl.softmax_scale
-    assert seen["cu_seqlens_q"].tolist() == [0, 9, 13] and seen["max_seqlen_q"] == 9
+    assert seen["cu_seqlens"].tolist() == [0, 9, 13] and seen["max_seqlen"] == 9
     assert seen["q"].dtype == seen["k"].dtype == seen["v"].dtype == torch.bfloat16
     # the cache was extended as impl.forward would have
     assert layer.impl.cache_len("r0") == 9 and layer.impl.cache_len("r1") == 4
     # the kernel's inputs describe the same attention (k/v rounded to bf16 for MLA)
     attn32 = layer.attention32([(spec, inputs)])
     torch.testing.assert_close(seen["attn"].reshape(t, -1), attn32, atol=3e-2, rtol=3e-2)
-    # bytes: what the kernel wrote, padding zero despite the 0xFF poison
-    packed, _ = nvfp4.quantize(seen["attn"].reshape(t, -1), GS)
+    # bytes: what the kernel wrote landed in the op's buffers
+    packed, scales = nvfp4.quantize(seen["attn"].reshape(t, -1), GS)
     assert torch.equal(output, packed)
-    scales = block_scale.view(torch.uint8).view(rows, cols)
-    padding = padding_mask(t, layer.width)
-    assert bool((scales[padding] == 0).all()) and bool((scales[~padding] != 0).all())
+    assert torch.equal(block_scale.view(torch.uint8).view(rows, cols), scales.view(torch.uint8))
 
 
 def test_backend_env_variable(monkeypatch):
@@ -269,7 +226,8 @@ def _usable_everywhere(monkeypatch, capability):
     for cls in (backends.FA4Backend, backends.TritonBackend, backends.ReferenceBackend):
         monkeypatch.setattr(cls, "available", lambda self: (True, f"{self.name} here"))
         monkeypatch.setattr(cls, "supports", lambda self, *a: (True, "ok"))
-    monkeypatch.setattr(backends.fa4, "device_capability", lambda index: capability)
+    monkeypatch.setattr(backends.fa4, "device_arch", lambda index: capability[0] * 10 + capability[1])
+    monkeypatch.setattr(backends.FA4Backend, "canary", lambda self, *a: (True, "stand-in canary"))
 
 
 CUDA0 = torch.device("cuda", 0)
@@ -318,6 +276,6 @@ def test_list_backends_says_what_auto_would_pick(monkeypatch):
     entries = {e["name"]: e for e in backends.list_backends(CUDA0)}
     assert [entries[n]["auto"] for n in ("fa4", "triton", "reference")] == [False, False, False]
     assert "sm_80" in entries["fa4"]["auto_reason"]
-    monkeypatch.setattr(backends.fa4, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(backends.fa4, "device_arch", lambda index: 90)
     entries = {e["name"]: e for e in backends.list_backends(CUDA0)}
     assert [entries[n]["auto"] for n in ("fa4", "triton", "reference")] == [True, False, False]

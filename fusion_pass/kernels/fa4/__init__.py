@@ -1,3 +1,5 @@
-"""FlashAttention-4 with an NVFP4 epilogue, one module per GPU generation: :mod:`.sm90` (Hopper: checks,
-compilation, launch; imports without FA4) and :mod:`.sm90_kernel` (the kernel class, a subclass of FA4's SM90
-forward; imports FA4)."""
+"""FlashAttention-4 with an NVFP4 output stage. :mod:`.forward` holds the entry points for whichever GPU
+generation the tensors are on; per generation a host module (checks, configuration, compilation; imports
+without FA4) and a kernel module (the subclass of FA4's forward; imports FA4): :mod:`.sm90` /
+:mod:`.sm90_kernel` (Hopper) and :mod:`.sm100` / :mod:`.sm100_kernel` (Blackwell). :mod:`.common` is the host
+code they share, :mod:`.nvfp4_block` the device code (the block quantization and its stores)."""

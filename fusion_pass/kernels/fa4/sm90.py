@@ -26,25 +26,13 @@ run-time values: one compilation serves every batch of a layer.
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
-import logging
-import math
-import threading
-import time
-import warnings
-
 import torch
 from torch import Tensor
 
-from fusion_pass.kernels.checks import (
-    HALF_DTYPES,
-    check_cu_seqlens_k,
-    check_max_seqlen_k,
-    check_qkv,
-    describe,
-    zero_nvfp4_scale_padding,
-)
+from fusion_pass.kernels.checks import HALF_DTYPES
+from fusion_pass.kernels.fa4 import common
+from fusion_pass.kernels.fa4.common import FA4_INSTALL_HINT, FA4_VERSION, CUTLASS_DSL_VERSION, fa4_interface, \
+    unused_o
 
 __all__ = [
     "FA4_VERSION",
@@ -62,30 +50,20 @@ __all__ = [
     "kernel_config",
 ]
 
-FA4_VERSION = "4.0.0b36"
-"""The flash-attn-4 release the subclass overrides internals of (pinned in pyproject's ``fa4`` extra)."""
-
-CUTLASS_DSL_VERSION = "4.8.1"
-"""The nvidia-cutlass-dsl release it was compiled with."""
-
-KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/1"
-"""First element of the compile-cache key; bump it whenever ``fa4_sm90_kernel.py`` changes."""
+KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/2"
+"""First element of the compile-cache key; bump it whenever ``sm90_kernel.py`` or ``nvfp4_block.py`` changes."""
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
 """``(D, Dv)`` pairs of the fused kernel: FA4 SM90 head dims whose ``Dv`` fills the kernel's
 ``tile_hdimv`` exactly and divides into whole 16-element blocks per epilogue thread."""
 
-FA4_INSTALL_HINT = "pip install 'attn-nvfp4-fusion[fa4]'"
-
-logger = logging.getLogger("fusion_pass")
-
 _BLOCK = 16
 
 
-def _address(t: Tensor) -> int:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return 0 if isinstance(t, FakeTensor) else t.data_ptr()  # fake tensors: compile-only checks
+def fa4_import_status() -> tuple[bool, str]:
+    """``(True, "flash-attn-4 <version>")`` when ``flash_attn.cute`` and the SM90 subclass import, else
+    ``(False, why)``. Cached."""
+    return common.fa4_import_status("sm90_kernel")
 
 
 def kernel_config(head_dim: int, head_dim_v: int, causal: bool) -> tuple[int, int, bool, bool]:
@@ -114,121 +92,20 @@ def check_fa4_args(
 
     With ``cu_seqlens_k``, ``k``/``v`` may have another token count than ``q``; its values
     (and ``cu_seqlens``'s) are not read."""
-    check_qkv(fn, q, k, v, separate_kv=cu_seqlens_k is not None)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or _address(t) % 16:
-            raise ValueError(
-                f"{fn}: {name} must be 16-byte aligned with 16-byte aligned strides (TMA), "
-                f"got strides {t.stride()} and address {_address(t):#x}"
-            )
-    d, dv = q.shape[2], v.shape[2]
-    if (d, dv) not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"{fn}: head dims (q/k D={d}, v Dv={dv}) are not supported by the FA4 SM90 kernels; "
-            f"supported (D, Dv): {', '.join(map(str, SUPPORTED_HEAD_DIMS))}"
-        )
-    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens)}")
-    if cu_seqlens.numel() < 2 or cu_seqlens.device != q.device or not cu_seqlens.is_contiguous():
-        raise ValueError(f"{fn}: cu_seqlens must be contiguous int32 [B + 1 >= 2] on {q.device}, got {describe(cu_seqlens)}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
-    if cu_seqlens_k is not None:
-        check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
-    check_max_seqlen_k(fn, max_seqlen_k, cu_seqlens_k)
-    if (
-        isinstance(softmax_scale, bool)
-        or not isinstance(softmax_scale, (int, float))
-        or not math.isfinite(softmax_scale)
-        or softmax_scale <= 0
-    ):
-        raise ValueError(f"{fn}: softmax_scale must be a positive finite float, got {softmax_scale!r}")
-    if not isinstance(causal, bool):
-        raise ValueError(f"{fn}: causal must be a bool, got {causal!r}")
+    common.check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k,
+                          head_dims=SUPPORTED_HEAD_DIMS, kernel="FA4 SM90")
 
 
 def check_nvfp4_buffers(fn: str, q, v, output, output_scale, output_block_scale) -> None:
     """The fused kernel's output buffers (no FA4 import, no sync)."""
-    t, h, _ = q.shape
     dv = v.shape[2]
-    row_bytes = h * dv // 2
-    if row_bytes % 8:
-        raise ValueError(
-            f"{fn}: H * Dv / 2 must be divisible by 8 (one 8-byte store per 16-element block), "
-            f"got H={h}, Dv={dv}: {row_bytes}"
-        )
     tile_m = kernel_config(q.shape[2], dv, True)[0]
     if _epilogue_threads(tile_m) % (dv // _BLOCK):
         raise ValueError(
             f"{fn}: v's head dim Dv={dv} splits into {dv // _BLOCK} blocks of 16, which does not divide the "
             f"{_epilogue_threads(tile_m)} epilogue threads of a {tile_m}-row tile"
         )
-    if not isinstance(output, Tensor) or output.element_size() != 1 or output.device != q.device:
-        raise ValueError(f"{fn}: output must be a one-byte tensor on {q.device}, got {describe(output)}")
-    if output.numel() != t * row_bytes or not output.is_contiguous():
-        raise ValueError(
-            f"{fn}: output must be contiguous with T * H * Dv / 2 = {t * row_bytes} bytes ([T, H*Dv/2] uint8), "
-            f"got {describe(output)}"
-        )
-    if _address(output) % 16:
-        raise ValueError(f"{fn}: output must be 16-byte aligned, got address {_address(output):#x}")
-    if (
-        not isinstance(output_scale, Tensor)
-        or output_scale.dtype != torch.float32
-        or output_scale.numel() != 1
-        or output_scale.device != q.device
-    ):
-        raise ValueError(
-            f"{fn}: output_scale must be a one-element float32 tensor on {q.device} (the global scale), "
-            f"got {describe(output_scale)}"
-        )
-    rows = -(-t // 128) * 128
-    cols = -(-(h * dv // _BLOCK) // 4) * 4
-    if (
-        not isinstance(output_block_scale, Tensor)
-        or output_block_scale.device != q.device
-        or not output_block_scale.is_contiguous()
-        or output_block_scale.numel() * output_block_scale.element_size() != rows * cols
-    ):
-        raise ValueError(
-            f"{fn}: output_block_scale must be a contiguous buffer of round_up(T,128) * round_up(H*Dv/16,4) = "
-            f"{rows} * {cols} bytes on {q.device} (swizzled e4m3 scales), got {describe(output_block_scale)}"
-        )
-
-# ---------------------------------------------------------------------------
-# FA4 (lazy)
-# ---------------------------------------------------------------------------
-
-
-def _import_error_message(exc: BaseException) -> str:
-    if isinstance(exc, ModuleNotFoundError) and exc.name in ("flash_attn", "flash_attn.cute", "cutlass"):
-        return f"flash_attn.cute is not installed ({FA4_INSTALL_HINT})"
-    return f"flash_attn.cute failed to import: {type(exc).__name__}: {exc}"
-
-
-@functools.lru_cache(maxsize=None)
-def fa4_import_status() -> tuple[bool, str]:
-    """``(True, "flash-attn-4 <version>")`` when ``flash_attn.cute`` and our subclass
-    (:mod:`fusion_pass.kernels.fa4.sm90_kernel`) import, else ``(False, why)``. Cached."""
-    try:
-        import flash_attn.cute  # noqa: F401
-
-        from fusion_pass.kernels.fa4 import sm90_kernel  # noqa: F401  (defines the subclass)
-    except Exception as exc:  # a broken install must not break the caller: report it
-        return False, _import_error_message(exc)
-    try:
-        version = importlib.metadata.version("flash-attn-4")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown version"
-    note = "" if version == FA4_VERSION else f", not the pinned {FA4_VERSION}: untested"
-    return True, f"flash-attn-4 {version}{note}"
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int] | None:
-    if not torch.cuda.is_available():
-        return None
-    return tuple(torch.cuda.get_device_capability(device))
+    common.check_nvfp4_buffers(fn, q, v, output, output_scale, output_block_scale)
 
 
 def fa4_sm90_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
@@ -243,11 +120,11 @@ def fa4_sm90_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: in
     device = torch.device(device)
     if device.type != "cuda":
         return False, f"fa4 runs on CUDA devices only, got {device}"
-    capability = _capability(device)
-    if capability is None:
+    arch = common.device_arch(device)
+    if arch is None:
         return False, "fa4: no CUDA device"
-    if capability[0] != 9:
-        return False, f"fa4's SM90 kernel needs an SM90 GPU (H100/H200), {device} is sm_{capability[0]}{capability[1]}"
+    if arch // 10 != 9:
+        return False, f"fa4's SM90 kernel needs an SM90 GPU (H100/H200), {device} is sm_{arch}"
     if dtype not in HALF_DTYPES:
         return False, f"fa4 supports torch.float16 and torch.bfloat16 queries, got {dtype}"
     if (head_dim, head_dim_v) not in SUPPORTED_HEAD_DIMS:
@@ -260,38 +137,6 @@ def fa4_sm90_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: in
     return True, "ok"
 
 
-def _fa4_interface():
-    try:
-        from flash_attn.cute import interface
-    except Exception as exc:
-        raise RuntimeError(f"fa4: {_import_error_message(exc)}") from exc
-    return interface
-
-
-def _unused_o(q: Tensor, dv: int) -> Tensor:
-    """FA4's ``mO`` argument: a ``[T, H, Dv]`` view of ``q`` (FA4 builds a TMA descriptor over
-    it; our epilogue never stores through it, so nothing is allocated or written)."""
-    if q.shape[2] == dv:
-        return q
-    from flash_attn.cute.testing import is_fake_mode
-
-    if is_fake_mode():  # compile-only: slicing a fake CUDA tensor fails on a CPU-only torch
-        return torch.empty((q.shape[0], q.shape[1], dv), dtype=q.dtype, device=q.device)
-    return q[..., :dv]
-
-_lock = threading.Lock()
-_cache = None
-
-
-def _jit_cache():
-    global _cache
-    if _cache is None:
-        from flash_attn.cute.cache_utils import get_jit_cache
-
-        _cache = get_jit_cache("fusion_pass_fa4_sm90_nvfp4")
-    return _cache
-
-
 def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens, softmax_scale, causal,
                          cu_seqlens_k=None):
     """The compiled fused kernel for these tensors' static properties (compiling on a miss).
@@ -302,7 +147,7 @@ def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens,
     Works on real CUDA tensors and, for compile-only checks without a GPU, on fake
     ``device="cuda"`` tensors under ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_90a``.
     """
-    interface = _fa4_interface()
+    interface = fa4_interface()
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 
@@ -320,54 +165,47 @@ def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens,
         )
     dtype = interface.torch2cute_dtype_map[q.dtype]
     key = (KERNEL_VERSION, dtype, d, dv, qhead_per_kvhead, causal) + theirs
-    cache = _jit_cache()
-    with _lock:
-        if key not in cache:
-            started = time.perf_counter()
-            kernel = FlashAttentionForwardSm90Nvfp4(
-                dtype,
-                d,
-                dv,
-                qhead_per_kvhead,
-                is_causal=causal,
-                is_local=False,
-                pack_gqa=False,
-                tile_m=cfg.m_block_size,
-                tile_n=cfg.n_block_size,
-                num_stages=2,
-                num_threads=384,
-                Q_in_regs=False,
-                intra_wg_overlap=cfg.intra_wg_overlap,
-                mma_pv_is_rs=cfg.mma_pv_is_rs,
-            )
-            if kernel.tile_hdimv != dv:  # the epilogue assumes Dv fills the tile (no hdim predication)
-                raise RuntimeError(f"fa4: unexpected FA4 tile for Dv={dv}: tile_hdimv={kernel.tile_hdimv}")
-            cu = to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0)
-            cu_k = cu if cu_seqlens_k is None else to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0)
-            with warnings.catch_warnings():
-                # FA4's __call__ is traced inside ours; the DSL warns that the AuxData holding our three
-                # tensors is not a JitArgument of that inner call. The tensors are arguments of ours.
-                warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted")
-                cache[key] = cute.compile(
-                    kernel,
-                    to_cute_tensor(q),
-                    to_cute_tensor(k),
-                    to_cute_tensor(v),
-                    to_cute_tensor(_unused_o(q, dv)),
-                    to_cute_tensor(output),
-                    to_cute_tensor(scale_bytes, leading_dim=0),
-                    to_cute_tensor(output_scale, assumed_align=4, leading_dim=0),
-                    softmax_scale,
-                    cu,
-                    cu_k,
-                    cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-                    options=interface._compile_options(),
-                )
-            logger.info("fusion_pass: fa4: compiled the SM90 NVFP4 attention kernel (%s, head dims (%d, %d), "
-                        "%d query heads per KV head, causal=%s, tile %dx%d) in %.1f s; once per configuration and "
-                        "process", str(q.dtype).replace("torch.", ""), d, dv, qhead_per_kvhead, causal,
-                        cfg.m_block_size, cfg.n_block_size, time.perf_counter() - started)
-        return cache[key]
+
+    def build():
+        kernel = FlashAttentionForwardSm90Nvfp4(
+            dtype,
+            d,
+            dv,
+            qhead_per_kvhead,
+            is_causal=causal,
+            is_local=False,
+            pack_gqa=False,
+            tile_m=cfg.m_block_size,
+            tile_n=cfg.n_block_size,
+            num_stages=2,
+            num_threads=384,
+            Q_in_regs=False,
+            intra_wg_overlap=cfg.intra_wg_overlap,
+            mma_pv_is_rs=cfg.mma_pv_is_rs,
+        )
+        if kernel.tile_hdimv != dv:  # the epilogue assumes Dv fills the tile (no hdim predication)
+            raise RuntimeError(f"fa4: unexpected FA4 tile for Dv={dv}: tile_hdimv={kernel.tile_hdimv}")
+        cu = to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0)
+        cu_k = cu if cu_seqlens_k is None else to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0)
+        return cute.compile(
+            kernel,
+            to_cute_tensor(q),
+            to_cute_tensor(k),
+            to_cute_tensor(v),
+            to_cute_tensor(unused_o(q, dv)),
+            to_cute_tensor(output),
+            to_cute_tensor(scale_bytes, leading_dim=0),
+            to_cute_tensor(output_scale, assumed_align=4, leading_dim=0),
+            softmax_scale,
+            cu,
+            cu_k,
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=interface._compile_options(),
+        )
+
+    what = (f"the SM90 NVFP4 attention kernel ({str(q.dtype).replace('torch.', '')}, head dims ({d}, {dv}), "
+            f"{qhead_per_kvhead} query heads per KV head, causal={causal}, tile {cfg.m_block_size}x{cfg.n_block_size})")
+    return common.compiled("fusion_pass_fa4_sm90_nvfp4", key, build, what)
 
 
 def fa4_attention_varlen(
@@ -408,7 +246,7 @@ def fa4_attention_varlen(
     check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
     if not isinstance(return_lse, bool):
         raise ValueError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
-    interface = _fa4_interface()
+    interface = fa4_interface()
     result = interface.flash_attn_varlen_func(
         q,
         k,
@@ -463,19 +301,13 @@ def fa4_attention_nvfp4_varlen(
     fn = "fa4_attention_nvfp4_varlen"
     check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
     check_nvfp4_buffers(fn, q, v, output, output_scale, output_block_scale)
-    t = q.shape[0]
-    scale_bytes = output_block_scale.view(torch.uint8).view(-1) if output_block_scale.element_size() == 1 \
-        else output_block_scale.view(-1).view(torch.uint8)
-    packed = output.view(torch.uint8).view(t, -1)
-    if t == 0:
+    scale_bytes = common.scale_bytes_of(output_block_scale)
+    packed = output.view(torch.uint8).view(q.shape[0], -1)
+    if q.shape[0] == 0:
         return
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    compiled = compile_nvfp4_kernel(
+    kernel = compile_nvfp4_kernel(
         q, k, v, packed, output_scale, scale_bytes, cu_seqlens, float(softmax_scale), causal, cu_k
     )
-    from flash_attn.cute.testing import is_fake_mode
-
-    if is_fake_mode():  # compile-only check
-        return
-    zero_nvfp4_scale_padding(scale_bytes, t, q.shape[1] * v.shape[2])
-    compiled(q, k, v, _unused_o(q, v.shape[2]), packed, scale_bytes, output_scale, float(softmax_scale), cu_seqlens, cu_k)
+    common.launch_nvfp4(kernel, q, v, output_block_scale, q, k, v, unused_o(q, v.shape[2]), packed, scale_bytes,
+                        output_scale, float(softmax_scale), cu_seqlens, cu_k)

@@ -35,7 +35,8 @@ methods:
     tiled copy. FA4's TMA store of ``sO`` to ``mO`` is *not* issued; instead
     each epilogue thread reads 16 consecutive elements of one row of ``sO``
     (one NVFP4 block of one head), quantizes them and writes 8 packed bytes
-    and one scale byte to global memory. Because the values quantized are
+    and one scale byte to global memory (the block code shared with the SM100
+    kernel, :mod:`fusion_pass.kernels.fa4.nvfp4_block`). Because the values quantized are
     exactly the bf16/fp16 values FA4 would have stored, the output bytes equal
     ``nvfp4.quantize(FA4's own output)`` bit for bit.
 
@@ -65,70 +66,15 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Uint8, Uint32, Uint64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Float32
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierFwd
 from flash_attn.cute.utils import AuxData
 
+from fusion_pass.kernels.fa4.nvfp4_block import BLOCK, quantize_block, store_block
+
 __all__ = ["FlashAttentionForwardSm90Nvfp4"]
-
-
-# ---------------------------------------------------------------------------
-# scalar NVFP4 arithmetic (the same steps as nvfp4_tl.py; SM90 has no cvt.e2m1)
-# ---------------------------------------------------------------------------
-
-
-@dsl_user_op
-def _f32_bits(x, *, loc=None, ip=None):
-    return Uint32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _bits_f32(x, *, loc=None, ip=None):
-    return Float32(llvm.bitcast(T.f32(), Uint32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@cute.jit
-def _e4m3_round(v: Float32) -> Float32:
-    """``v`` in ``[0, 448]`` -> the nearest float8_e4m3fn value (ties to even), as float32."""
-    b = _f32_bits(v)
-    # normal range: keep 3 mantissa bits, round to nearest even on the 20 dropped bits
-    normal = _bits_f32((b + Uint32(0x7FFFF) + ((b >> 20) & Uint32(1))) & Uint32(0xFFF00000))
-    # subnormal range (< 2^-6): multiples of 2^-9, rounded by the float32 adder
-    sub = (v + Float32(16384.0)) - Float32(16384.0)
-    res = normal
-    if v < Float32(0.015625):
-        res = sub
-    return res
-
-
-@cute.jit
-def _e4m3_byte(sf: Float32) -> Uint32:
-    """An exact float8_e4m3fn value in ``[0, 448]`` -> its byte."""
-    b = _f32_bits(sf)
-    res = (((b >> 23) - Uint32(120)) << 3) | ((b >> 20) & Uint32(7))
-    if sf < Float32(0.015625):
-        res = Uint32(sf * Float32(512.0))
-    return res
-
-
-@cute.jit
-def _e2m1_code(q: Float32) -> Uint32:
-    """float32 -> e2m1 code (sign bit 3), round to nearest even, saturating at 6."""
-    b = _f32_bits(q)
-    a = _bits_f32(b & Uint32(0x7FFFFFFF))
-    if a > Float32(6.0):
-        a = Float32(6.0)
-    ab = _f32_bits(a)
-    # [1, 6]: keep one mantissa bit (RNE on the 22 dropped bits); codes 2..7 from exponent|mantissa
-    idx = ((ab + Uint32(0x1FFFFF) + ((ab >> 22) & Uint32(1))) >> 22) - Uint32(252)
-    if a < Float32(1.0):
-        # [0, 1): multiples of 0.5, rounded by the float32 adder
-        idx = Uint32(((a + Float32(4194304.0)) - Float32(4194304.0)) * Float32(2.0))
-    return idx | ((b >> 31) << 3)
 
 
 # ---------------------------------------------------------------------------
@@ -207,12 +153,12 @@ class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
 
         # 3) thread t reads 16 consecutive elements (block t % bpr) of rows t // bpr + k * rows_per_pass:
         #    two 128-bit shared loads through sO's swizzle.
-        blocks_per_row = self.tile_hdimv // 16
+        blocks_per_row = self.tile_hdimv // BLOCK
         thr_layout = cute.make_ordered_layout(
             (self.num_epilogue_threads // blocks_per_row, blocks_per_row), order=(1, 0)
         )
         load_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        tiled_load = cute.make_tiled_copy_tv(load_atom, thr_layout, cute.make_layout((1, 16)))
+        tiled_load = cute.make_tiled_copy_tv(load_atom, thr_layout, cute.make_layout((1, BLOCK)))
         thr_load = tiled_load.get_slice(tidx)
         tOsO = thr_load.partition_S(sO)
         tOcO = thr_load.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdimv)))
@@ -220,8 +166,6 @@ class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
         cute.autovec_copy(tOsO, tOrO)
 
         gs = mGS[0]
-        mOq64 = cute.recast_tensor(mOq, Uint64)  # [T, H*Dv/16]: one 8-byte word per block
-        k_tiles = (mOq.shape[1] // 8 + 3) // 4  # round_up(H*Dv/16, 4) / 4
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
         for i in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
             r_loc = tOcO[0, i, 0][0]
@@ -230,34 +174,6 @@ class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
             if r_loc < rows_left:
                 x = cute.make_fragment_like(tOrO[None, i, None], Float32)
                 x.store(tOrO[None, i, None].load().to(Float32))
-                amax_bits = Uint32(0)
-                for j in cutlass.range_constexpr(16):
-                    amax_bits = max(amax_bits, _f32_bits(x[j]) & Uint32(0x7FFFFFFF))
-                is_nan = amax_bits > Uint32(0x7F800000)
-                amax = _bits_f32(amax_bits)
-                if is_nan:
-                    amax = Float32(0.0)
-                sf = _e4m3_round(min(gs * amax / Float32(6.0), Float32(448.0)))
-                inv = Float32(0.0)
-                if sf != Float32(0.0):
-                    inv = gs / sf
-                lo = Uint32(0)
-                hi = Uint32(0)
-                for j in cutlass.range_constexpr(8):
-                    lo = lo | (_e2m1_code(x[j] * inv) << (4 * j))
-                    hi = hi | (_e2m1_code(x[j + 8] * inv) << (4 * j))
-                sf_byte = _e4m3_byte(sf)
-                if is_nan:  # docs/nvfp4.md "NaN and infinity": codes 0, scale byte 0x7F
-                    lo = Uint32(0)
-                    hi = Uint32(0)
-                    sf_byte = Uint32(0x7F)
+                packed, sf_byte = quantize_block(x, gs, False)  # SM90 has no FP4 conversion instruction
                 row = seqlen.offset_q + m_block * self.tile_m + r_loc
-                col_block = head_idx * blocks_per_row + c_loc // 16
-                mOq64[row, col_block] = Uint64(lo) | (Uint64(hi) << 32)
-                offset = (
-                    ((row // 128) * k_tiles + col_block // 4) * 512
-                    + (row % 32) * 16
-                    + ((row % 128) // 32) * 4
-                    + col_block % 4
-                )
-                mSF[offset] = Uint8(sf_byte)
+                store_block(mOq, mSF, row, head_idx * blocks_per_row + c_loc // BLOCK, packed, sf_byte)

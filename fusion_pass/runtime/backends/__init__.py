@@ -2,7 +2,7 @@
 (:mod:`.base`) and the choice of one for a layer (:mod:`.selection`)."""
 
 from fusion_pass.runtime.backends.base import Backend
-from fusion_pass.runtime.backends.fa4 import FA4_NVFP4_ARGS, FA4Backend, fa4_availability, fa4_call_kwargs, fa4_sm90_availability
+from fusion_pass.runtime.backends.fa4 import FA4Backend, canary_batches, fa4_status
 from fusion_pass.runtime.backends.reference import ReferenceBackend
 from fusion_pass.runtime.backends.selection import BACKEND_ORDER, get_backend, list_backends, refresh, select_backend
 from fusion_pass.runtime.backends.triton import TritonBackend, triton_availability
@@ -11,12 +11,10 @@ __all__ = [
     "BACKEND_ORDER",
     "Backend",
     "FA4Backend",
-    "FA4_NVFP4_ARGS",
     "ReferenceBackend",
     "TritonBackend",
-    "fa4_availability",
-    "fa4_call_kwargs",
-    "fa4_sm90_availability",
+    "canary_batches",
+    "fa4_status",
     "get_backend",
     "list_backends",
     "refresh",

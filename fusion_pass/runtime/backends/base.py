@@ -32,6 +32,8 @@ class Backend(Protocol):
     name: str
     handles_context: bool
     # optional ``kv_dtype``: the dtype the row plan gives keys and values in (default: the query's)
+    # optional self-check (:mod:`fusion_pass.runtime.self_check`): ``self_check_needed(device) -> (bool, why)``
+    # and ``canary(device, dtype, num_heads, qk_head_dim, v_head_dim) -> (passed, detail)``
 
     def available(self) -> tuple[bool, str]:
         """``(True, short description)`` or ``(False, why not)``; cached per process."""

@@ -100,7 +100,7 @@ def select_backend(
 def refresh() -> None:
     """Forget the cached availability results; the next query detects again."""
     fa4.fa4_status.cache_clear()
-    fa4.device_capability.cache_clear()
+    fa4.device_arch.cache_clear()
     triton.triton_status.cache_clear()
 
 def _preferred(name: str) -> str:

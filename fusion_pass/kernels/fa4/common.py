@@ -1,0 +1,253 @@
+"""What the FA4 NVFP4 kernels of every GPU generation share on the host (imports without FA4).
+
+The pinned releases, the import status, argument checks of q/k/v and of the NVFP4 output buffers, the
+compile cache (one per process, keyed by kernel and configuration, logging each compilation at INFO on the
+``fusion_pass`` logger), and the launch of a compiled fused kernel (zero the scale padding, then run).
+:mod:`.sm90` and :mod:`.sm100` add what differs: the FA4 class, its tile configuration, the head dims.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import logging
+import math
+import threading
+import time
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from fusion_pass.kernels.checks import check_cu_seqlens_k, check_max_seqlen_k, check_qkv, describe, \
+    zero_nvfp4_scale_padding
+
+__all__ = [
+    "CUTLASS_DSL_VERSION",
+    "FA4_INSTALL_HINT",
+    "FA4_VERSION",
+    "address",
+    "check_fa4_args",
+    "check_nvfp4_buffers",
+    "compiled",
+    "device_arch",
+    "fa4_import_status",
+    "fa4_interface",
+    "is_fake_mode",
+    "launch_nvfp4",
+    "scale_bytes_of",
+    "unused_o",
+]
+
+FA4_VERSION = "4.0.0b36"
+"""The flash-attn-4 release the subclasses override internals of (pinned in pyproject's ``fa4`` extra)."""
+
+CUTLASS_DSL_VERSION = "4.8.1"
+"""The nvidia-cutlass-dsl release they were compiled with."""
+
+FA4_INSTALL_HINT = "pip install 'attn-nvfp4-fusion[fa4]'"
+
+BLOCK = 16
+
+logger = logging.getLogger("fusion_pass")
+
+
+def address(t: Tensor) -> int:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return 0 if isinstance(t, FakeTensor) else t.data_ptr()  # fake tensors: compile-only checks
+
+
+def is_fake_mode() -> bool:
+    """Whether tensors are fake (compile-only checks under ``FakeTensorMode``): nothing is launched."""
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode() is not None
+
+
+def device_arch(device: torch.device) -> int | None:
+    """``major * 10 + minor`` of ``device``; in fake mode FA4's own choice (``FLASH_ATTENTION_ARCH``),
+    so compile-only checks target the generation they name. ``None`` without CUDA."""
+    if is_fake_mode():
+        return fa4_interface()._get_device_arch()
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _capability(torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def check_fa4_args(fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k=None,
+                   max_seqlen_k=None, *, head_dims: tuple[tuple[int, int], ...], kernel: str) -> None:
+    """Shapes, dtypes, devices and ``(D, Dv)`` in ``head_dims`` of ``kernel`` (no FA4 import, no sync).
+
+    With ``cu_seqlens_k``, ``k``/``v`` may have another token count than ``q``; its values
+    (and ``cu_seqlens``'s) are not read."""
+    check_qkv(fn, q, k, v, separate_kv=cu_seqlens_k is not None)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or address(t) % 16:
+            raise ValueError(
+                f"{fn}: {name} must be 16-byte aligned with 16-byte aligned strides (TMA), "
+                f"got strides {t.stride()} and address {address(t):#x}"
+            )
+    d, dv = q.shape[2], v.shape[2]
+    if (d, dv) not in head_dims:
+        raise ValueError(
+            f"{fn}: head dims (q/k D={d}, v Dv={dv}) are not supported by the {kernel} kernels; "
+            f"supported (D, Dv): {', '.join(map(str, head_dims))}"
+        )
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens)}")
+    if cu_seqlens.numel() < 2 or cu_seqlens.device != q.device or not cu_seqlens.is_contiguous():
+        raise ValueError(f"{fn}: cu_seqlens must be contiguous int32 [B + 1 >= 2] on {q.device}, got {describe(cu_seqlens)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ValueError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    if cu_seqlens_k is not None:
+        check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
+    check_max_seqlen_k(fn, max_seqlen_k, cu_seqlens_k)
+    if (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
+        raise ValueError(f"{fn}: softmax_scale must be a positive finite float, got {softmax_scale!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"{fn}: causal must be a bool, got {causal!r}")
+
+
+def check_nvfp4_buffers(fn: str, q, v, output, output_scale, output_block_scale) -> None:
+    """The fused kernels' output buffers (no FA4 import, no sync)."""
+    t, h, _ = q.shape
+    dv = v.shape[2]
+    row_bytes = h * dv // 2
+    if row_bytes % 8:
+        raise ValueError(
+            f"{fn}: H * Dv / 2 must be divisible by 8 (one 8-byte store per 16-element block), "
+            f"got H={h}, Dv={dv}: {row_bytes}"
+        )
+    if not isinstance(output, Tensor) or output.element_size() != 1 or output.device != q.device:
+        raise ValueError(f"{fn}: output must be a one-byte tensor on {q.device}, got {describe(output)}")
+    if output.numel() != t * row_bytes or not output.is_contiguous():
+        raise ValueError(
+            f"{fn}: output must be contiguous with T * H * Dv / 2 = {t * row_bytes} bytes ([T, H*Dv/2] uint8), "
+            f"got {describe(output)}"
+        )
+    if address(output) % 16:
+        raise ValueError(f"{fn}: output must be 16-byte aligned, got address {address(output):#x}")
+    if (
+        not isinstance(output_scale, Tensor)
+        or output_scale.dtype != torch.float32
+        or output_scale.numel() != 1
+        or output_scale.device != q.device
+    ):
+        raise ValueError(
+            f"{fn}: output_scale must be a one-element float32 tensor on {q.device} (the global scale), "
+            f"got {describe(output_scale)}"
+        )
+    rows = -(-t // 128) * 128
+    cols = -(-(h * dv // BLOCK) // 4) * 4
+    if (
+        not isinstance(output_block_scale, Tensor)
+        or output_block_scale.device != q.device
+        or not output_block_scale.is_contiguous()
+        or output_block_scale.numel() * output_block_scale.element_size() != rows * cols
+    ):
+        raise ValueError(
+            f"{fn}: output_block_scale must be a contiguous buffer of round_up(T,128) * round_up(H*Dv/16,4) = "
+            f"{rows} * {cols} bytes on {q.device} (swizzled e4m3 scales), got {describe(output_block_scale)}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# FA4 (lazy)
+# ---------------------------------------------------------------------------
+
+
+def import_error_message(exc: BaseException) -> str:
+    if isinstance(exc, ModuleNotFoundError) and exc.name in ("flash_attn", "flash_attn.cute", "cutlass"):
+        return f"flash_attn.cute is not installed ({FA4_INSTALL_HINT})"
+    return f"flash_attn.cute failed to import: {type(exc).__name__}: {exc}"
+
+
+@functools.lru_cache(maxsize=None)
+def fa4_import_status(kernel_module: str = "sm90_kernel") -> tuple[bool, str]:
+    """``(True, "flash-attn-4 <version>")`` when ``flash_attn.cute`` and our subclass module
+    ``fusion_pass.kernels.fa4.<kernel_module>`` import, else ``(False, why)``. Cached."""
+    try:
+        importlib.import_module("flash_attn.cute")
+        importlib.import_module(f"fusion_pass.kernels.fa4.{kernel_module}")
+    except Exception as exc:  # a broken install must not break the caller: report it
+        return False, import_error_message(exc)
+    try:
+        version = importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown version"
+    note = "" if version == FA4_VERSION else f", not the pinned {FA4_VERSION}: untested"
+    return True, f"flash-attn-4 {version}{note}"
+
+
+def fa4_interface():
+    try:
+        from flash_attn.cute import interface
+    except Exception as exc:
+        raise RuntimeError(f"fa4: {import_error_message(exc)}") from exc
+    return interface
+
+
+def unused_o(q: Tensor, dv: int) -> Tensor:
+    """FA4's ``mO`` argument of a fused kernel: a ``[T, H, Dv]`` view of ``q`` (FA4 builds its output
+    descriptors over it; the NVFP4 output stage never stores through it, so nothing is allocated or written)."""
+    if q.shape[2] == dv:
+        return q
+    if is_fake_mode():  # compile-only: slicing a fake CUDA tensor fails on a CPU-only torch
+        return torch.empty((q.shape[0], q.shape[1], dv), dtype=q.dtype, device=q.device)
+    return q[..., :dv]
+
+
+def scale_bytes_of(output_block_scale: Tensor) -> Tensor:
+    """The swizzled scale buffer as flat bytes, whatever one-byte or int32 view the caller holds."""
+    if output_block_scale.element_size() == 1:
+        return output_block_scale.view(torch.uint8).view(-1)
+    return output_block_scale.view(-1).view(torch.uint8)
+
+
+_lock = threading.Lock()
+_caches: dict[str, object] = {}
+
+
+def compiled(cache_name: str, key: tuple, build: Callable[[], object], what: str):
+    """The compiled kernel of ``key`` in FA4 ``get_jit_cache(cache_name)``, built by ``build()`` on a miss
+    (logged at INFO with ``what`` and the time it took). ``key[0]`` is the kernel's version string: FA4's
+    persistent cache fingerprints only FA4's sources, so an edit to a subclass must change it."""
+    from flash_attn.cute.cache_utils import get_jit_cache
+
+    with _lock:
+        cache = _caches.get(cache_name)
+        if cache is None:
+            cache = _caches[cache_name] = get_jit_cache(cache_name)
+        if key not in cache:
+            started = time.perf_counter()
+            with warnings.catch_warnings():
+                # FA4's __call__ is traced inside ours; the DSL warns that the AuxData holding our tensors
+                # is not a JitArgument of that inner call. The tensors are arguments of ours.
+                warnings.filterwarnings("ignore", message=r"Argument aux_data .* cannot be converted")
+                cache[key] = build()
+            logger.info("fusion_pass: fa4: compiled %s in %.1f s; once per configuration and process", what,
+                        time.perf_counter() - started)
+        return cache[key]
+
+
+def launch_nvfp4(kernel, q: Tensor, v: Tensor, output_block_scale: Tensor, *args) -> None:
+    """Zero the scale buffer's padding entries, then run the compiled fused ``kernel`` with ``args``
+    (nothing runs in fake mode)."""
+    if is_fake_mode():
+        return
+    zero_nvfp4_scale_padding(scale_bytes_of(output_block_scale), q.shape[0], q.shape[1] * v.shape[2])
+    kernel(*args)

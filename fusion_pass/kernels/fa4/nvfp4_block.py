@@ -1,0 +1,159 @@
+"""The device code both FA4 NVFP4 epilogues share (CuTe DSL; imports ``cutlass``).
+
+One NVFP4 block is 16 consecutive elements of one output row held by one thread. :func:`quantize_block`
+turns them into 8 packed bytes and a scale byte following docs/nvfp4.md exactly (``amax`` from the
+float32 bit patterns, so a NaN is detected in the same reduction; ``sf = e4m3(min(gs * amax / 6, 448))``
+rounded to nearest even; ``inv = gs / sf``; codes rounded to nearest even and saturated at 6; a NaN
+block becomes 8 zero bytes and the scale byte ``0x7F``), and :func:`store_block` writes them: the packed
+codes as one 8-byte store into ``[T, H*Dv/2]``, the scale byte at its 128x4-swizzled offset.
+
+The e2m1 rounding has two implementations with the same results: :func:`e2m1_code`, integer and float32
+arithmetic that runs on every generation (SM90 has no FP4 conversion), and :func:`e2m1x8_native`, the
+``cvt.rn.satfinite.e2m1x2.f32`` instruction of SM100 and later. ``native`` selects one at compile time.
+The SM90 kernel (``sm90_kernel.py``) and the SM100 kernel (``sm100_kernel.py``) both call
+:func:`quantize_block` and :func:`store_block`; the software path runs byte-exact on the H200
+(``tests/kernels/test_fa4_block.py``), the native instruction only on SM100 hardware (the run-time
+self-check covers it there).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Uint8, Uint32, Uint64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+__all__ = ["BLOCK", "e2m1_code", "e2m1x8_native", "e4m3_byte", "e4m3_round", "quantize_block", "scale_offset",
+           "store_block"]
+
+BLOCK = 16
+"""Elements per NVFP4 block."""
+
+
+@dsl_user_op
+def _f32_bits(x, *, loc=None, ip=None):
+    return Uint32(llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _bits_f32(x, *, loc=None, ip=None):
+    return Float32(llvm.bitcast(T.f32(), Uint32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@cute.jit
+def e4m3_round(v: Float32) -> Float32:
+    """``v`` in ``[0, 448]`` -> the nearest float8_e4m3fn value (ties to even), as float32."""
+    b = _f32_bits(v)
+    # normal range: keep 3 mantissa bits, round to nearest even on the 20 dropped bits
+    normal = _bits_f32((b + Uint32(0x7FFFF) + ((b >> 20) & Uint32(1))) & Uint32(0xFFF00000))
+    # subnormal range (< 2^-6): multiples of 2^-9, rounded by the float32 adder
+    sub = (v + Float32(16384.0)) - Float32(16384.0)
+    res = normal
+    if v < Float32(0.015625):
+        res = sub
+    return res
+
+
+@cute.jit
+def e4m3_byte(sf: Float32) -> Uint32:
+    """An exact float8_e4m3fn value in ``[0, 448]`` -> its byte."""
+    b = _f32_bits(sf)
+    res = (((b >> 23) - Uint32(120)) << 3) | ((b >> 20) & Uint32(7))
+    if sf < Float32(0.015625):
+        res = Uint32(sf * Float32(512.0))
+    return res
+
+
+@cute.jit
+def e2m1_code(q: Float32) -> Uint32:
+    """float32 -> e2m1 code (sign bit 3), round to nearest even, saturating at 6 (any generation)."""
+    b = _f32_bits(q)
+    a = _bits_f32(b & Uint32(0x7FFFFFFF))
+    if a > Float32(6.0):
+        a = Float32(6.0)
+    ab = _f32_bits(a)
+    # [1, 6]: keep one mantissa bit (RNE on the 22 dropped bits); codes 2..7 from exponent|mantissa
+    idx = ((ab + Uint32(0x1FFFFF) + ((ab >> 22) & Uint32(1))) >> 22) - Uint32(252)
+    if a < Float32(1.0):
+        # [0, 1): multiples of 0.5, rounded by the float32 adder
+        idx = Uint32(((a + Float32(4194304.0)) - Float32(4194304.0)) * Float32(2.0))
+    return idx | ((b >> 31) << 3)
+
+
+@dsl_user_op
+def e2m1x8_native(x0, x1, x2, x3, x4, x5, x6, x7, *, loc=None, ip=None) -> Uint32:
+    """Eight float32 values -> eight e2m1 codes packed in a 32-bit word (``x0`` in bits 0-3), with SM100's
+    ``cvt.rn.satfinite.e2m1x2.f32`` (round to nearest even, saturating at 6, sign kept on zero).
+    ``cvt d, a, b`` puts ``a``'s code in the high nibble, so each pair is passed high element first."""
+    values = [Float32(x).ir_value(loc=loc, ip=ip) for x in (x0, x1, x2, x3, x4, x5, x6, x7)]
+    word = llvm.inline_asm(
+        T.i32(),
+        values,
+        "{\n\t.reg .b8 b0, b1, b2, b3;\n\t"
+        "cvt.rn.satfinite.e2m1x2.f32 b0, $2, $1;\n\t"
+        "cvt.rn.satfinite.e2m1x2.f32 b1, $4, $3;\n\t"
+        "cvt.rn.satfinite.e2m1x2.f32 b2, $6, $5;\n\t"
+        "cvt.rn.satfinite.e2m1x2.f32 b3, $8, $7;\n\t"
+        "mov.b32 $0, {b0, b1, b2, b3};\n\t}",
+        "=r,f,f,f,f,f,f,f,f",
+        loc=loc,
+        ip=ip,
+    )
+    return Uint32(word)
+
+
+@cute.jit
+def quantize_block(x: cute.Tensor, gs: Float32, native: cutlass.Constexpr[bool]):
+    """``x``: 16 float32 register values, one block in column order; ``gs``: the global scale.
+
+    Returns ``(packed, sf_byte)``: a Uint64 with element ``j``'s code in bits ``4j .. 4j+3`` (docs/nvfp4.md
+    "Packing", little-endian bytes) and the Uint32 e4m3 scale byte."""
+    amax_bits = Uint32(0)
+    for j in cutlass.range_constexpr(BLOCK):
+        amax_bits = max(amax_bits, _f32_bits(x[j]) & Uint32(0x7FFFFFFF))
+    is_nan = amax_bits > Uint32(0x7F800000)
+    amax = _bits_f32(amax_bits)
+    if is_nan:
+        amax = Float32(0.0)
+    sf = e4m3_round(min(gs * amax / Float32(6.0), Float32(448.0)))
+    inv = Float32(0.0)
+    if sf != Float32(0.0):
+        inv = gs / sf
+    lo = Uint32(0)
+    hi = Uint32(0)
+    if cutlass.const_expr(native):
+        lo = e2m1x8_native(*[x[j] * inv for j in range(8)])
+        hi = e2m1x8_native(*[x[j + 8] * inv for j in range(8)])
+    else:
+        for j in cutlass.range_constexpr(8):
+            lo = lo | (e2m1_code(x[j] * inv) << (4 * j))
+            hi = hi | (e2m1_code(x[j + 8] * inv) << (4 * j))
+    sf_byte = e4m3_byte(sf)
+    if is_nan:  # docs/nvfp4.md "NaN and infinity": codes 0, scale byte 0x7F
+        lo = Uint32(0)
+        hi = Uint32(0)
+        sf_byte = Uint32(0x7F)
+    return Uint64(lo) | (Uint64(hi) << 32), sf_byte
+
+
+@cute.jit
+def scale_offset(row, col_block, k_tiles):
+    """Byte offset of the scale of (``row``, block column ``col_block``) in the 128x4-swizzled buffer with
+    ``k_tiles = round_up(H*Dv/16, 4) / 4`` column groups (docs/nvfp4.md "Scale layouts")."""
+    return (
+        ((row // 128) * k_tiles + col_block // 4) * 512
+        + (row % 32) * 16
+        + ((row % 128) // 32) * 4
+        + col_block % 4
+    )
+
+
+@cute.jit
+def store_block(mOq: cute.Tensor, mSF: cute.Tensor, row, col_block, packed: Uint64, sf_byte: Uint32):
+    """Write one block: ``packed`` into row ``row``, block column ``col_block`` of the codes ``mOq``
+    (uint8 ``[T, H*Dv/2]``, row-major) and ``sf_byte`` at its swizzled offset in ``mSF`` (flat uint8)."""
+    mOq64 = cute.recast_tensor(mOq, Uint64)  # [T, H*Dv/16]: one 8-byte word per block
+    k_tiles = (mOq.shape[1] // 8 + 3) // 4
+    mOq64[row, col_block] = packed
+    mSF[scale_offset(row, col_block, k_tiles)] = Uint8(sf_byte)

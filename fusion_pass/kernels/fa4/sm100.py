@@ -1,0 +1,240 @@
+"""FlashAttention-4 on Blackwell (SM100/SM110): the fused NVFP4 forward and its bf16/fp16 twin.
+
+Entry points (tensors in, tensors out), the same contract as :mod:`.sm90`'s:
+
+* :func:`fa4_attention_nvfp4_varlen` — :class:`~fusion_pass.kernels.fa4.sm100_kernel.FlashAttentionForwardSm100Nvfp4`
+  (FA4's SM100 forward whose correction warps quantize the output in registers) writing into the caller's buffers;
+* :func:`fa4_attention_varlen` — the *twin*: FA4's SM100 forward class built with the same configuration and
+  run with FA4's own output stage, so ``nvfp4.quantize(fa4_attention_varlen(...))`` and the fused call give
+  the same bytes by construction (the two differ only in the output stage). With ``return_lse`` it also
+  returns FA4's log-sum-exp.
+
+Configuration (:func:`kernel_config`): FA4 4.0.0b36's own choice for a varlen causal call without splits,
+restated: 128x128 tiles, one CTA per tile, ``pack_gqa=False``; two Q tiles per CTA (``q_stage=2``) when the
+longest sequence exceeds 128 rows; the S ping-pong pipeline for ``q_stage=1`` and ``D == Dv`` in (64, 128).
+Choices that only place tiles on SMs are fixed in both kernels, since they do not change a row's arithmetic:
+the one-CTA-per-tile varlen scheduler always (FA4 switches to a static persistent one when every sequence
+fits one CTA, but that scheduler asks the driver for the SM count while compiling, which the CPU compile
+check cannot answer), no CLC scheduler, no batch-lookup aid above 256 sequences.
+
+No Blackwell GPU is lent to this project: these kernels are compiled for ``sm_100a`` in the CPU suite
+(``pytest -k sm100``, fake tensors) but were never run. On hardware the run time self-checks them before
+their first use (``docs/blackwell.md``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from fusion_pass.kernels.checks import HALF_DTYPES
+from fusion_pass.kernels.fa4 import common
+from fusion_pass.kernels.fa4.common import fa4_interface, unused_o
+
+__all__ = [
+    "KERNEL_VERSION",
+    "SUPPORTED_HEAD_DIMS",
+    "KernelConfig",
+    "check_fa4_args",
+    "fa4_attention_nvfp4_varlen",
+    "fa4_attention_varlen",
+    "fa4_import_status",
+    "fa4_sm100_usable",
+    "kernel_config",
+]
+
+KERNEL_VERSION = "fusion_pass.fa4_sm100_nvfp4/1"
+"""First element of the compile-cache key; bump it whenever ``sm100_kernel.py`` or ``nvfp4_block.py`` changes."""
+
+SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+"""``(D, Dv)`` pairs of the SM100 kernels: standard heads of 64 and 128, DeepSeek MLA's 192/128."""
+
+TILE_M = TILE_N = 128
+
+
+class KernelConfig(NamedTuple):
+    """FA4's SM100 forward configuration of one call (the compile key's variable part)."""
+
+    q_stage: int
+    use_s_ping_pong: bool
+
+
+def fa4_import_status() -> tuple[bool, str]:
+    """``(True, "flash-attn-4 <version>")`` when ``flash_attn.cute`` and the SM100 subclass import, else
+    ``(False, why)``. Cached."""
+    return common.fa4_import_status("sm100_kernel")
+
+
+def kernel_config(head_dim: int, head_dim_v: int, max_seqlen_q: int) -> KernelConfig:
+    """FA4 4.0.0b36's SM100 choice for a causal varlen call with ``num_splits=1`` and ``pack_gqa=False``
+    (``interface._get_fwd_config`` and ``_flash_attn_fwd``), restated so the checks need no FA4."""
+    q_stage = 2 if max_seqlen_q > TILE_M and head_dim_v != 256 else 1
+    ping_pong = q_stage == 1 and head_dim in (64, 128, 256) and head_dim_v == head_dim
+    return KernelConfig(q_stage, ping_pong)
+
+
+def check_fa4_args(
+    fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k=None, max_seqlen_k=None
+) -> None:
+    """Shapes, dtypes, devices and head dims the FA4 SM100 kernels accept (no FA4 import, no sync)."""
+    common.check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k,
+                          head_dims=SUPPORTED_HEAD_DIMS, kernel="FA4 SM100")
+
+
+def fa4_sm100_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
+    """Whether these kernels run a layer of these dims on ``device``: ``(ok, why)``. Checks, in order: FA4
+    and our subclass import; a CUDA device of compute capability 10.x or 11.x; a bf16/fp16 dtype; ``(D, Dv)``
+    in :data:`SUPPORTED_HEAD_DIMS`; ``H*Dv/2 % 8 == 0``."""
+    ok, why = fa4_import_status()
+    if not ok:
+        return False, why
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"fa4 runs on CUDA devices only, got {device}"
+    arch = common.device_arch(device)
+    if arch is None:
+        return False, "fa4: no CUDA device"
+    if arch // 10 not in (10, 11):
+        return False, f"fa4's SM100 kernel needs an SM100/SM110 GPU (B200, GB200, Thor), {device} is sm_{arch}"
+    if dtype not in HALF_DTYPES:
+        return False, f"fa4 supports torch.float16 and torch.bfloat16 queries, got {dtype}"
+    if (head_dim, head_dim_v) not in SUPPORTED_HEAD_DIMS:
+        return False, (
+            f"fa4's SM100 kernel supports head dims (D, Dv) in {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, "
+            f"got ({head_dim}, {head_dim_v})"
+        )
+    if (num_heads * head_dim_v // 2) % 8:
+        return False, f"fa4's NVFP4 output needs H*Dv/2 divisible by 8, got H={num_heads}, Dv={head_dim_v}"
+    return True, "ok"
+
+
+def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen: int, causal: bool, *, lse=None,
+             output=None, output_scale=None, scale_bytes=None):
+    """The compiled fused kernel (``fused``) or its twin, for these tensors' static properties and
+    ``max_seqlen``'s configuration (compiling on a miss). Works on fake ``device="cuda"`` tensors under
+    ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_100a`` (compile-only)."""
+    interface = fa4_interface()
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+
+    from fusion_pass.kernels.fa4.sm100_kernel import FlashAttentionForwardSm100Nvfp4, FlashAttentionForwardSm100Twin
+
+    d, dv = q.shape[2], v.shape[2]
+    qhead_per_kvhead = q.shape[1] // k.shape[1]
+    cfg = kernel_config(d, dv, max_seqlen)
+    dtype = interface.torch2cute_dtype_map[q.dtype]
+    kind = "nvfp4" if fused else ("twin+lse" if lse is not None else "twin")
+    key = (KERNEL_VERSION, kind, dtype, d, dv, qhead_per_kvhead, causal) + tuple(cfg)
+
+    def build():
+        cls = FlashAttentionForwardSm100Nvfp4 if fused else FlashAttentionForwardSm100Twin
+        kernel = cls(
+            d,
+            dv,
+            qhead_per_kvhead=qhead_per_kvhead,
+            is_causal=causal,
+            is_local=False,
+            is_split_kv=False,
+            pack_gqa=False,
+            m_block_size=TILE_M,
+            n_block_size=TILE_N,
+            q_stage=cfg.q_stage,
+            is_static_persistent=False,
+            is_varlen_q=True,
+            use_2cta_instrs=False,
+            use_clc_scheduler=False,
+            use_s_ping_pong=cfg.use_s_ping_pong,
+        )
+        cu = to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0)
+        cu_k = to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0)
+        head = [to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(o)]
+        if fused:
+            head += [to_cute_tensor(output), to_cute_tensor(scale_bytes, leading_dim=0),
+                     to_cute_tensor(output_scale, assumed_align=4, leading_dim=0)]
+        else:
+            head += [None if lse is None else to_cute_tensor(lse, assumed_align=4)]
+        return cute.compile(
+            kernel,
+            *head,
+            0.1,  # softmax_scale: a run-time Float32
+            cu,
+            cu_k,
+            cutlass.Int32(max(max_seqlen, 1)),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=interface._compile_options(getattr(kernel, "ptxas_options", "")),
+        )
+
+    what = (f"the SM100 {'NVFP4' if fused else 'twin (FA4 output stage)'} attention kernel ({str(q.dtype).replace('torch.', '')}, "
+            f"head dims ({d}, {dv}), {qhead_per_kvhead} query heads per KV head, causal={causal}, {cfg})")
+    return common.compiled("fusion_pass_fa4_sm100", key, build, what)
+
+
+def fa4_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    *,
+    causal: bool,
+    softmax_scale: float,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_k: int | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The twin: FA4's SM100 forward with the fused kernel's configuration and FA4's own output stage.
+
+    Arguments and results as :func:`fusion_pass.kernels.fa4.sm90.fa4_attention_varlen` (``[T, H, Dv]`` in q's
+    dtype; with ``return_lse`` also float32 ``lse [T, H]``, a transposed view of FA4's ``[H, T]``). Rows
+    outside ``[cu_seqlens[0], cu_seqlens[B])`` are not written."""
+    fn = "fa4_attention_varlen"
+    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
+    t, h = q.shape[0], q.shape[1]
+    out = torch.empty((t, h, v.shape[2]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((h, t), dtype=torch.float32, device=q.device) if return_lse else None
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    if t:
+        kernel = _compile(False, q, k, v, out, cu_seqlens, cu_k, max_seqlen, causal, lse=lse)
+        if not common.is_fake_mode():
+            kernel(q, k, v, out, lse, float(softmax_scale), cu_seqlens, cu_k, max(max_seqlen, 1))
+    return (out, lse.t()) if return_lse else out
+
+
+def fa4_attention_nvfp4_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    softmax_scale: float,
+    causal: bool,
+    output: Tensor,
+    output_scale: Tensor,
+    output_block_scale: Tensor,
+    cu_seqlens_k: Tensor | None = None,
+    max_seqlen_k: int | None = None,
+) -> None:
+    """Attention written as NVFP4 by FA4's SM100 forward with our output stage, into the caller's buffers.
+
+    Arguments and what is written as :func:`fusion_pass.kernels.fa4.sm90.fa4_attention_nvfp4_varlen`:
+    ``output`` one-byte ``[T, H*Dv/2]``, ``output_scale`` float32 ``[1]`` (read on the device),
+    ``output_block_scale`` the swizzled e4m3 scales (padding zeroed before the launch)."""
+    fn = "fa4_attention_nvfp4_varlen"
+    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
+    common.check_nvfp4_buffers(fn, q, v, output, output_scale, output_block_scale)
+    scale_bytes = common.scale_bytes_of(output_block_scale)
+    packed = output.view(torch.uint8).view(q.shape[0], -1)
+    if q.shape[0] == 0:
+        return
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    o = unused_o(q, v.shape[2])
+    kernel = _compile(True, q, k, v, o, cu_seqlens, cu_k, max_seqlen, causal, output=packed,
+                      output_scale=output_scale, scale_bytes=scale_bytes)
+    common.launch_nvfp4(kernel, q, v, output_block_scale, q, k, v, o, packed, scale_bytes, output_scale,
+                        float(softmax_scale), cu_seqlens, cu_k, max(max_seqlen, 1))

@@ -1,0 +1,212 @@
+"""The first-use self-check: when it runs, what a failure does to every later call, capture, and the modes.
+
+The backend under test is the reference backend (what ``auto`` picks on the CPU) given a canary by
+monkeypatching, so the whole op path runs: guard -> self-check -> fused or exact fallback. The FA4 canary's own
+comparison runs with PyTorch stand-ins for the two FA4 launchers."""
+
+import warnings
+
+import pytest
+import torch
+
+from fusion_pass import nvfp4, runtime
+from fusion_pass.kernels import launchers, reference
+from fusion_pass.runtime import backends, counters, guard, self_check, settings
+
+from layer_cases import GS, SPECS, decide
+
+
+@pytest.fixture(autouse=True)
+def _clean_state(clean_backend_state):
+    yield
+
+
+class Canary:
+    """A canary for the reference backend that passes or fails as told and counts its runs."""
+
+    def __init__(self, passes=True):
+        self.passes, self.calls = passes, []
+
+    def install(self, monkeypatch, needed=True):
+        monkeypatch.setattr(backends.ReferenceBackend, "self_check_needed",
+                            lambda backend, device: (needed, "test kernel"), raising=False)
+        monkeypatch.setattr(backends.ReferenceBackend, "canary", lambda backend, *a: self.run(*a), raising=False)
+        return self
+
+    def run(self, device, dtype, heads, d, dv):
+        self.calls.append((str(device), dtype, heads, d, dv))
+        return (True, "bytes equal") if self.passes else (False, "codes differ at 3 byte(s), first at row 1, byte 2")
+
+
+def test_a_passing_canary_runs_once_per_configuration_and_the_call_is_fused(monkeypatch, layer):
+    canary = Canary().install(monkeypatch)
+    spec = SPECS["prefill"]
+    for seed in (1, 2, 3):
+        inputs = layer.inputs(spec.num_tokens, seed=seed)
+        output, scales = layer.call(spec, inputs, GS)
+    assert len(canary.calls) == 1
+    device, dtype, heads, d, dv = canary.calls[0]
+    assert (device, dtype, heads, dv) == ("cpu", torch.bfloat16, layer.impl.num_heads, layer.impl.v_head_dim)
+    c = counters.counters()
+    assert c["fused_by_backend"] == {"reference": 3} and not c["fallback"]
+    (result,) = self_check.self_check_results()
+    assert result.passed and result.backend == "reference" and result.seconds >= 0
+    assert "passed" in result.describe()
+
+
+def test_a_failing_canary_disables_the_backend_with_one_warning_and_exact_fallbacks(monkeypatch, layer):
+    canary = Canary(passes=False).install(monkeypatch)
+    spec = SPECS["prefill"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (4, 5, 6):
+            inputs = layer.inputs(spec.num_tokens, seed=seed)
+            output, scales = layer.call(spec, inputs, GS)
+            want_packed, want_scales = layer.call_unfused(spec, inputs, GS)
+            # the exact fallback: the unfused graph's bytes, padding included
+            assert torch.equal(output, want_packed) and torch.equal(scales, want_scales.view(scales.shape))
+    assert len(canary.calls) == 1
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "self-check" in str(w.message)]
+    assert len(messages) == 1
+    assert "reference fused kernel failed its self-check" in messages[0] and "row 1, byte 2" in messages[0]
+    assert "head dims" in messages[0] and "bfloat16" in messages[0]
+    c = counters.counters()
+    assert c["fallback"] == {"self_check_failed": 3} and not c["fused_by_backend"]
+    assert c["tokens"]["post_quantized"] == {"self_check_failed": 3 * spec.num_tokens}
+    assert c["tokens"]["prefill_fused"] == 0
+    # disabled for every configuration of the process, without running another canary
+    decision = guard.decide(guard.BatchRows.from_spec(spec), guard.LayerShape(torch.device("cpu"), torch.float16,
+                                                                              8, 64, 64))
+    assert (decision.path, decision.reason) == ("fallback", "self_check_failed") and len(canary.calls) == 1
+    assert "FAILED" in decision.detail
+    # forgetting the results runs the check again
+    self_check.forget_self_checks()
+    canary.passes = True
+    assert decide(spec).path == "fused" and len(canary.calls) == 2
+
+
+def test_a_canary_that_raises_is_a_failed_check_not_a_crash(monkeypatch):
+    def boom(backend, *a):
+        raise RuntimeError("ptxas died")
+
+    monkeypatch.setattr(backends.ReferenceBackend, "self_check_needed", lambda b, d: (True, "x"), raising=False)
+    monkeypatch.setattr(backends.ReferenceBackend, "canary", boom, raising=False)
+    with pytest.warns(RuntimeWarning, match="the canary raised RuntimeError: ptxas died"):
+        decision = decide(SPECS["prefill"])
+    assert decision.reason == "self_check_failed"
+
+
+def test_no_canary_runs_inside_a_cuda_graph_capture(monkeypatch):
+    canary = Canary().install(monkeypatch)
+    monkeypatch.setattr(self_check, "_capturing", lambda device: True)
+    decision = decide(SPECS["prefill"])
+    assert (decision.path, decision.reason) == ("fallback", "self_check_pending") and canary.calls == []
+    assert "CUDA graph is being captured" in decision.detail
+    monkeypatch.setattr(self_check, "_capturing", lambda device: False)
+    assert decide(SPECS["prefill"]).path == "fused" and len(canary.calls) == 1
+    # once checked, a capture does not matter
+    monkeypatch.setattr(self_check, "_capturing", lambda device: True)
+    assert decide(SPECS["prefill"]).path == "fused" and len(canary.calls) == 1
+
+
+def test_the_check_runs_only_when_a_call_would_fuse(monkeypatch):
+    canary = Canary().install(monkeypatch)
+    assert decide(SPECS["decode"]).reason == "decode_tokens"
+    assert canary.calls == []
+
+
+def test_a_backend_that_needs_no_check_runs_none(monkeypatch):
+    canary = Canary().install(monkeypatch, needed=False)
+    assert decide(SPECS["prefill"]).path == "fused" and canary.calls == []
+    assert self_check.self_check_results() == []
+
+
+@pytest.mark.parametrize("arch, mode, needed", [
+    (100, "auto", True), (110, "auto", True), (90, "auto", False), (90, "all", True), (100, "off", False),
+    (90, "off", False), (None, "auto", False),
+])
+def test_fa4_needs_its_check_where_this_project_never_ran_its_kernel(monkeypatch, arch, mode, needed):
+    monkeypatch.setattr(backends.fa4, "device_arch", lambda index: arch)
+    with settings.use_self_check(mode):
+        got, why = backends.FA4Backend().self_check_needed(torch.device("cuda", 0))
+    assert got is needed and why
+    if arch == 100 and needed:
+        assert "never run on hardware" in why
+
+
+def test_self_check_mode_setting_and_environment(monkeypatch):
+    assert settings.self_check_mode() == "auto"
+    monkeypatch.setenv(settings.SELF_CHECK_ENV, " ALL ")
+    assert settings.self_check_mode() == "all"
+    with settings.use_self_check("off"):
+        assert settings.self_check_mode() == "off"
+    settings.set_self_check("off")
+    assert settings.self_check_mode() == "off"
+    settings.set_self_check(None)
+    monkeypatch.setenv(settings.SELF_CHECK_ENV, "sometimes")
+    with pytest.raises(ValueError, match=r"FUSION_PASS_SELF_CHECK='sometimes' .* auto, all, off"):
+        settings.check_environment()
+    with pytest.raises(ValueError, match=r"set_self_check\(mode\)=1"):
+        settings.set_self_check(1)
+
+
+# ------------------------------------------------------------------ the FA4 canary's comparison (CPU stand-ins)
+
+
+def _stand_ins(monkeypatch, corrupt=None):
+    """FA4's two launchers replaced by float32 reference attention: the twin returns it in the query dtype, the
+    fused call writes quantize(twin) into the buffers and then ``corrupt(packed, scale_bytes)``."""
+    calls = []
+
+    def twin(q, k, v, cu_seqlens, max_seqlen, *, causal, softmax_scale, cu_seqlens_k=None, max_seqlen_k=None,
+             return_lse=False):
+        out, _ = reference.varlen_attention(q, k, v, cu_seqlens, causal, softmax_scale, cu_seqlens_k)
+        calls.append(("twin", q.shape[0], int(cu_seqlens_k[-1])))
+        return out.to(q.dtype)
+
+    def fused(q, k, v, *, cu_seqlens, max_seqlen, softmax_scale, causal, output, output_scale, output_block_scale,
+              cu_seqlens_k=None, max_seqlen_k=None):
+        o = twin(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, cu_seqlens_k=cu_seqlens_k)
+        packed, scales = nvfp4.quantize(o.reshape(o.shape[0], -1), output_scale)
+        output.copy_(packed)
+        output_block_scale.view(-1).copy_(scales.view(torch.uint8).view(-1))
+        if corrupt:
+            corrupt(output, output_block_scale.view(-1))
+
+    monkeypatch.setattr(launchers, "fa4_attention_varlen", twin)
+    monkeypatch.setattr(launchers, "fa4_attention_nvfp4_varlen", fused)
+    return calls
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (128, 128), (64, 64)])
+def test_fa4_canary_passes_when_the_fused_bytes_equal_the_twin_plus_quantize(monkeypatch, dims):
+    calls = _stand_ins(monkeypatch)
+    ok, detail = backends.FA4Backend().canary(torch.device("cpu"), torch.bfloat16, 16, *dims)
+    assert ok and "canary bytes equal" in detail and f"head dims {dims}" in detail
+    # both batches, once through each kernel; the second reads keys through cu_seqlens_k (cached context)
+    twins = [c for c in calls if c[0] == "twin"]
+    assert len(twins) == 4
+    queries = [sum(b["query_lens"]) for b in backends.canary_batches()]
+    keys = [sum(b["query_lens"]) + sum(b["context_lens"]) for b in backends.canary_batches()]
+    assert sorted({(t, tk) for _, t, tk in twins}) == sorted(zip(queries, keys)) and keys[1] > queries[1]
+    lens = [max(b["query_lens"]) for b in backends.canary_batches()]
+    assert lens[0] <= 128 < lens[1]  # both SM100 q_stage configurations
+
+
+@pytest.mark.parametrize("where, words", [
+    ("code", "codes differ at 1 byte(s), first at row"),
+    ("scale", "scales differ at 1 byte(s), first at row"),
+    ("padding", "scales differ at 1 byte(s), first at row"),
+])
+def test_fa4_canary_fails_on_any_differing_byte(monkeypatch, where, words):
+    def corrupt(packed, scale_bytes):
+        if where == "code":
+            packed[40, 7] ^= 0x10
+        elif where == "scale":
+            scale_bytes[5] ^= 0x01
+        else:  # a padding entry (row >= T) that must stay zero
+            scale_bytes[-1] = 0x33
+
+    _stand_ins(monkeypatch, corrupt)
+    ok, detail = backends.FA4Backend().canary(torch.device("cpu"), torch.float16, 16, 128, 128)
+    assert not ok and detail.startswith(words) and "query lengths [1, 37, 128]" in detail
