@@ -4,7 +4,8 @@
 * :mod:`.registry`: ``layer_name`` -> the layer's runtime (:func:`register_layer`, names global to the process);
 * :mod:`.mla`, :mod:`.standard`: the MLA and MHA/GQA runtimes with their KV caches (:mod:`.cache`);
 * :mod:`.attention_call`: one call: :mod:`.guard` decision -> :mod:`.row_plan` -> :mod:`.backends` -> kernels;
-* :mod:`.counters`: what the guard decided, counted (``counters.counters()``); :mod:`.settings`: backend choice and context workspace bound.
+* :mod:`.counters`: what the guard decided, counted (``counters.counters()``); :mod:`.settings`: backend choice,
+  context workspace bound, self-check mode; :mod:`.self_check`: the first-use self-check of a fused kernel.
 """
 
 from fusion_pass.kernels.reference import dense_attention, merge_attention
@@ -20,12 +21,16 @@ from fusion_pass.runtime.registry import (
     snapshot_kv_caches,
     unregister_layer,
 )
+from fusion_pass.runtime.self_check import run_self_check, self_check_results
 from fusion_pass.runtime.settings import (
     context_workspace_tokens,
+    self_check_mode,
     set_backend,
     set_context_workspace_tokens,
+    set_self_check,
     use_backend,
     use_context_workspace_tokens,
+    use_self_check,
 )
 from fusion_pass.runtime.standard import AttentionImpl
 
@@ -45,10 +50,15 @@ __all__ = [
     "register_layer",
     "registered_layers",
     "restore_kv_caches",
+    "run_self_check",
+    "self_check_mode",
+    "self_check_results",
     "set_backend",
     "set_context_workspace_tokens",
+    "set_self_check",
     "snapshot_kv_caches",
     "unregister_layer",
     "use_backend",
     "use_context_workspace_tokens",
+    "use_self_check",
 ]

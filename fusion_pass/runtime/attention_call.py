@@ -13,7 +13,7 @@ from torch import Tensor
 
 from fusion_pass import nvfp4
 from fusion_pass.kernels import launchers
-from fusion_pass.runtime import backends, counters, guard, row_plan, settings
+from fusion_pass.runtime import backends, counters, guard, row_plan, self_check, settings
 
 __all__ = ["layer_shape", "run"]
 
@@ -56,7 +56,9 @@ def _half_prefill_kernel(impl, q: Tensor, spec, inputs: tuple) -> str | None:
         return None
     backend, _ = backends.select_backend(q.device, q.dtype, shape.num_heads, shape.qk_head_dim, shape.v_head_dim,
                                          fast_only=False)
-    return backend.name if backend is not None and backend.name in ("fa4", "triton") else None
+    if backend is None or backend.name not in ("fa4", "triton") or self_check.failed_check(backend.name):
+        return None  # a backend whose self-check failed computes nothing, not even the unfused attention
+    return backend.name
 
 
 def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:

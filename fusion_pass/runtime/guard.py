@@ -184,5 +184,6 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
         return fallback(refused, checked)
     unfused = {"decode_tokens": d, "chunked_prefill": prefill - fused}
     rest = {k: v for k, v in unfused.items() if v}
-    detail = why + (f"; {d} decode row(s) post-quantized" if d else "") + context
+    detail = why + (f"; {checked}" if checked.startswith("self-check passed") else "") \
+        + (f"; {d} decode row(s) post-quantized" if d else "") + context
     return Decision("fused" if fused == prefill else "partial", None, backend.name, detail, prefill, fused, rest)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SelfCheckResult", "forget_self_checks", "run_self_check", "self_check_results", "verify"]
+__all__ = ["SelfCheckResult", "failed_check", "forget_self_checks", "run_self_check", "self_check_results", "verify"]
 
 logger = logging.getLogger("fusion_pass")
 
@@ -50,8 +50,16 @@ _results: dict[tuple, SelfCheckResult] = {}
 _disabled: dict[str, SelfCheckResult] = {}
 
 
+def _device(device) -> torch.device:
+    """``device`` with its index: ``cuda`` and ``cuda:<current>`` are one device (one result)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _key(backend, device, dtype, qk_head_dim, v_head_dim) -> tuple:
-    return backend.name, str(torch.device(device)), dtype, qk_head_dim, v_head_dim
+    return backend.name, str(_device(device)), dtype, qk_head_dim, v_head_dim
 
 
 def _capturing(device: torch.device) -> bool:
@@ -61,16 +69,16 @@ def _capturing(device: torch.device) -> bool:
 def run_self_check(backend, device, dtype, num_heads, qk_head_dim, v_head_dim) -> SelfCheckResult:
     """Run ``backend``'s canary for this configuration now (whether or not it is needed) and record it. A
     failure disables the backend for the process and warns once."""
-    device = torch.device(device)
+    device = _device(device)
     key = _key(backend, device, dtype, qk_head_dim, v_head_dim)
     with _lock:
         started = time.perf_counter()
         try:
             passed, detail = backend.canary(device, dtype, num_heads, qk_head_dim, v_head_dim)
+            if device.type == "cuda" and torch.cuda.is_available():
+                torch.cuda.synchronize(device)  # a fault of the canary's kernels is the check's, not the caller's
         except Exception as exc:  # a kernel that does not compile or launch fails its check; never the caller
             passed, detail = False, f"the canary raised {type(exc).__name__}: {exc}"
-        if device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.synchronize(device)
         result = SelfCheckResult(backend.name, str(device), str(dtype).replace("torch.", ""),
                                  (qk_head_dim, v_head_dim), passed, detail, time.perf_counter() - started)
         _results[key] = result
@@ -93,7 +101,7 @@ def verify(backend, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[
     needed = getattr(backend, "self_check_needed", None)
     if needed is None:
         return None, "no self-check"
-    device = torch.device(device)
+    device = _device(device)
     required, why = needed(device)
     if not required:
         return None, why
@@ -110,6 +118,12 @@ def verify(backend, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[
         if not result.passed:
             return "self_check_failed", _disabled.get(backend.name, result).describe()
     return None, f"self-check passed ({why})"
+
+
+def failed_check(backend_name: str) -> SelfCheckResult | None:
+    """The failed self-check that disabled backend ``backend_name`` in this process, or None."""
+    with _lock:
+        return _disabled.get(backend_name)
 
 
 def self_check_results() -> list[SelfCheckResult]:

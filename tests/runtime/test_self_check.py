@@ -52,6 +52,7 @@ def test_a_passing_canary_runs_once_per_configuration_and_the_call_is_fused(monk
     (result,) = self_check.self_check_results()
     assert result.passed and result.backend == "reference" and result.seconds >= 0
     assert "passed" in result.describe()
+    assert "self-check passed (test kernel)" in decide(spec).detail
 
 
 def test_a_failing_canary_disables_the_backend_with_one_warning_and_exact_fallbacks(monkeypatch, layer):
@@ -153,7 +154,7 @@ def test_self_check_mode_setting_and_environment(monkeypatch):
 # ------------------------------------------------------------------ the FA4 canary's comparison (CPU stand-ins)
 
 
-def _stand_ins(monkeypatch, corrupt=None):
+def _stand_ins(monkeypatch, corrupt=None, main_loop_error=1.0):
     """FA4's two launchers replaced by float32 reference attention: the twin returns it in the query dtype, the
     fused call writes quantize(twin) into the buffers and then ``corrupt(packed, scale_bytes)``."""
     calls = []
@@ -162,7 +163,7 @@ def _stand_ins(monkeypatch, corrupt=None):
              return_lse=False):
         out, _ = reference.varlen_attention(q, k, v, cu_seqlens, causal, softmax_scale, cu_seqlens_k)
         calls.append(("twin", q.shape[0], int(cu_seqlens_k[-1])))
-        return out.to(q.dtype)
+        return (out * main_loop_error).to(q.dtype)
 
     def fused(q, k, v, *, cu_seqlens, max_seqlen, softmax_scale, causal, output, output_scale, output_block_scale,
               cu_seqlens_k=None, max_seqlen_k=None):
@@ -210,3 +211,62 @@ def test_fa4_canary_fails_on_any_differing_byte(monkeypatch, where, words):
     _stand_ins(monkeypatch, corrupt)
     ok, detail = backends.FA4Backend().canary(torch.device("cpu"), torch.float16, 16, 128, 128)
     assert not ok and detail.startswith(words) and "query lengths [1, 37, 128]" in detail
+
+
+# ------------------------------------------------------------------ the real FA4 canary on this GPU
+
+
+def _fa4_here():
+    if not torch.cuda.is_available():
+        return False, "needs a CUDA GPU"
+    return backends.get_backend("fa4").available()
+
+
+@pytest.mark.skipif(not _fa4_here()[0], reason=f"the fa4 backend is not available here: {_fa4_here()[1]}")
+def test_the_fa4_canary_passes_on_this_gpu_and_the_guard_then_fuses():
+    from fusion_pass.kernels.fa4 import forward
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    fa4 = backends.get_backend("fa4")
+    for dims in forward.supported_head_dims(device):
+        for dtype in (torch.bfloat16, torch.float16):
+            result = self_check.run_self_check(fa4, device, dtype, 16, *dims)
+            assert result.passed, result.describe()
+    with settings.use_self_check("all"), settings.use_backend("fa4"):
+        shape = guard.LayerShape(device, torch.bfloat16, 16, 192, 128)
+        decision = guard.decide(guard.BatchRows.from_spec(SPECS["prefill"]), shape)
+    assert decision.path == "fused" and "self-check passed" in decision.detail
+
+
+def test_fa4_canary_fails_when_the_shared_main_loop_is_wrong(monkeypatch):
+    """Fused and twin agree byte for byte (both from one wrong main loop); the float32 reference catches it."""
+    _stand_ins(monkeypatch, main_loop_error=1.05)
+    ok, detail = backends.FA4Backend().canary(torch.device("cpu"), torch.bfloat16, 16, 192, 128)
+    assert not ok and "from float32 attention, above 0.01" in detail
+    _stand_ins(monkeypatch, main_loop_error=1.001)  # within the bf16 rounding's reach: accepted
+    assert backends.FA4Backend().canary(torch.device("cpu"), torch.bfloat16, 16, 192, 128)[0]
+
+
+def test_a_failed_check_keeps_the_backend_out_of_the_unfused_path_too(monkeypatch):
+    from fusion_pass.runtime import attention_call
+
+    assert self_check.failed_check("fa4") is None
+    monkeypatch.setattr(backends.FA4Backend, "canary", lambda self, *a: (False, "codes differ"))
+    monkeypatch.setattr(backends.fa4, "device_arch", lambda index: 100)
+    monkeypatch.setattr(backends.FA4Backend, "available", lambda self: (True, "here"))
+    monkeypatch.setattr(backends.FA4Backend, "supports", lambda self, *a: (True, "ok"))
+    with pytest.warns(RuntimeWarning):
+        shape = guard.LayerShape(torch.device("cuda", 0), torch.bfloat16, 16, 192, 128)
+        assert guard.decide(guard.BatchRows.from_spec(SPECS["prefill"]), shape).reason == "self_check_failed"
+    assert self_check.failed_check("fa4").detail == "codes differ"
+    # the pure-prefill unfused path would run the backend's bf16 kernel on CUDA; after the failure it does not
+    q = torch.zeros(4, 16, 192, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+
+    class Impl:
+        num_heads, v_head_dim = 16, 128
+
+    monkeypatch.setattr(attention_call, "layer_shape", lambda impl, q, inputs: shape)
+    assert attention_call._half_prefill_kernel(Impl(), q, SPECS["prefill"], (q,)) is None
+    self_check.forget_self_checks()
+    assert attention_call._half_prefill_kernel(Impl(), q, SPECS["prefill"], (q,)) == "fa4"

@@ -2,7 +2,8 @@
 
 The pinned releases, the import status, argument checks of q/k/v and of the NVFP4 output buffers, the
 compile cache (one per process, keyed by kernel and configuration, logging each compilation at INFO on the
-``fusion_pass`` logger), and the launch of a compiled fused kernel (zero the scale padding, then run).
+``fusion_pass`` logger), and the fused call itself (:func:`run_fused`: checks, compile, zero the scale padding,
+launch).
 :mod:`.sm90` and :mod:`.sm100` add what differs: the FA4 class, its tile configuration, the head dims.
 """
 
@@ -36,7 +37,8 @@ __all__ = [
     "fa4_import_status",
     "fa4_interface",
     "is_fake_mode",
-    "launch_nvfp4",
+    "kernel_usable",
+    "run_fused",
     "scale_bytes_of",
     "unused_o",
 ]
@@ -81,6 +83,34 @@ def device_arch(device: torch.device) -> int | None:
 def _capability(device: torch.device) -> int:
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
+
+
+def kernel_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int, *, import_status: tuple[bool, str],
+                  families: tuple[int, ...], label: str, gpus: str,
+                  head_dims: tuple[tuple[int, int], ...]) -> tuple[bool, str]:
+    """Whether a generation's kernels run a layer of these dims on ``device``: ``(ok, why)``. Checks, in order:
+    FA4 and the generation's subclass import (``import_status``); a CUDA device whose compute capability major
+    is in ``families`` (``label`` names the generation, ``gpus`` its GPUs); a bf16/fp16 dtype; ``(D, Dv)`` in
+    ``head_dims``; ``H*Dv/2 % 8 == 0``."""
+    ok, why = import_status
+    if not ok:
+        return False, why
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"fa4 runs on CUDA devices only, got {device}"
+    arch = device_arch(device)
+    if arch is None:
+        return False, "fa4: no CUDA device"
+    if arch // 10 not in families:
+        return False, f"fa4's {label} kernel needs an {label} GPU ({gpus}), {device} is sm_{arch}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False, f"fa4 supports torch.float16 and torch.bfloat16 queries, got {dtype}"
+    if (head_dim, head_dim_v) not in head_dims:
+        return False, (f"fa4's {label} kernel supports head dims (D, Dv) in {', '.join(map(str, head_dims))}, "
+                       f"got ({head_dim}, {head_dim_v})")
+    if (num_heads * head_dim_v // 2) % 8:
+        return False, f"fa4's NVFP4 output needs H*Dv/2 divisible by 8, got H={num_heads}, Dv={head_dim_v}"
+    return True, "ok"
 
 
 def check_fa4_args(fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k=None,
@@ -244,10 +274,23 @@ def compiled(cache_name: str, key: tuple, build: Callable[[], object], what: str
         return cache[key]
 
 
-def launch_nvfp4(kernel, q: Tensor, v: Tensor, output_block_scale: Tensor, *args) -> None:
-    """Zero the scale buffer's padding entries, then run the compiled fused ``kernel`` with ``args``
-    (nothing runs in fake mode)."""
-    if is_fake_mode():
+def run_fused(fn: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float,
+              causal: bool, output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
+              cu_seqlens_k: Tensor | None, max_seqlen_k: int | None, *, check_args: Callable, check_buffers: Callable,
+              compile_kernel: Callable) -> None:
+    """The fused call of either generation: check the arguments and buffers, compile (on a miss), zero the scale
+    padding, launch. ``compile_kernel(q, k, v, o, packed, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k,
+    max_seqlen, causal)`` returns the compiled kernel and the run-time arguments that follow ``cu_seqlens_k``."""
+    check_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
+    check_buffers(fn, q, v, output, output_scale, output_block_scale)
+    scale_bytes = scale_bytes_of(output_block_scale)
+    packed = output.view(torch.uint8).view(q.shape[0], -1)
+    if q.shape[0] == 0:
         return
-    zero_nvfp4_scale_padding(scale_bytes_of(output_block_scale), q.shape[0], q.shape[1] * v.shape[2])
-    kernel(*args)
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    o = unused_o(q, v.shape[2])
+    kernel, tail = compile_kernel(q, k, v, o, packed, output_scale, scale_bytes, cu_seqlens, cu_k, max_seqlen, causal)
+    if is_fake_mode():  # compile-only checks
+        return
+    zero_nvfp4_scale_padding(scale_bytes, q.shape[0], q.shape[1] * v.shape[2])
+    kernel(q, k, v, o, packed, scale_bytes, output_scale, float(softmax_scale), cu_seqlens, cu_k, *tail)

@@ -29,9 +29,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fusion_pass.kernels.checks import HALF_DTYPES
 from fusion_pass.kernels.fa4 import common
-from fusion_pass.kernels.fa4.common import fa4_interface, unused_o
+from fusion_pass.kernels.fa4.common import fa4_interface
 
 __all__ = [
     "KERNEL_VERSION",
@@ -84,30 +83,10 @@ def check_fa4_args(
 
 
 def fa4_sm100_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
-    """Whether these kernels run a layer of these dims on ``device``: ``(ok, why)``. Checks, in order: FA4
-    and our subclass import; a CUDA device of compute capability 10.x or 11.x; a bf16/fp16 dtype; ``(D, Dv)``
-    in :data:`SUPPORTED_HEAD_DIMS`; ``H*Dv/2 % 8 == 0``."""
-    ok, why = fa4_import_status()
-    if not ok:
-        return False, why
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False, f"fa4 runs on CUDA devices only, got {device}"
-    arch = common.device_arch(device)
-    if arch is None:
-        return False, "fa4: no CUDA device"
-    if arch // 10 not in (10, 11):
-        return False, f"fa4's SM100 kernel needs an SM100/SM110 GPU (B200, GB200, Thor), {device} is sm_{arch}"
-    if dtype not in HALF_DTYPES:
-        return False, f"fa4 supports torch.float16 and torch.bfloat16 queries, got {dtype}"
-    if (head_dim, head_dim_v) not in SUPPORTED_HEAD_DIMS:
-        return False, (
-            f"fa4's SM100 kernel supports head dims (D, Dv) in {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, "
-            f"got ({head_dim}, {head_dim_v})"
-        )
-    if (num_heads * head_dim_v // 2) % 8:
-        return False, f"fa4's NVFP4 output needs H*Dv/2 divisible by 8, got H={num_heads}, Dv={head_dim_v}"
-    return True, "ok"
+    """Whether these kernels run a layer of these dims on ``device``: ``(ok, why)``
+    (:func:`fusion_pass.kernels.fa4.common.kernel_usable` with SM100/SM110 and :data:`SUPPORTED_HEAD_DIMS`)."""
+    return common.kernel_usable(device, dtype, num_heads, head_dim, head_dim_v, import_status=fa4_import_status(),
+                                families=(10, 11), label="SM100/SM110", gpus="B200, GB200", head_dims=SUPPORTED_HEAD_DIMS)
 
 
 def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen: int, causal: bool, *, lse=None,
@@ -225,16 +204,12 @@ def fa4_attention_nvfp4_varlen(
     Arguments and what is written as :func:`fusion_pass.kernels.fa4.sm90.fa4_attention_nvfp4_varlen`:
     ``output`` one-byte ``[T, H*Dv/2]``, ``output_scale`` float32 ``[1]`` (read on the device),
     ``output_block_scale`` the swizzled e4m3 scales (padding zeroed before the launch)."""
-    fn = "fa4_attention_nvfp4_varlen"
-    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
-    common.check_nvfp4_buffers(fn, q, v, output, output_scale, output_block_scale)
-    scale_bytes = common.scale_bytes_of(output_block_scale)
-    packed = output.view(torch.uint8).view(q.shape[0], -1)
-    if q.shape[0] == 0:
-        return
-    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    o = unused_o(q, v.shape[2])
-    kernel = _compile(True, q, k, v, o, cu_seqlens, cu_k, max_seqlen, causal, output=packed,
+    common.run_fused("fa4_attention_nvfp4_varlen", q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, output,
+                     output_scale, output_block_scale, cu_seqlens_k, max_seqlen_k, check_args=check_fa4_args,
+                     check_buffers=common.check_nvfp4_buffers, compile_kernel=_compile_fused)
+
+
+def _compile_fused(q, k, v, o, packed, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k, max_seqlen, causal):
+    kernel = _compile(True, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen, causal, output=packed,
                       output_scale=output_scale, scale_bytes=scale_bytes)
-    common.launch_nvfp4(kernel, q, v, output_block_scale, q, k, v, o, packed, scale_bytes, output_scale,
-                        float(softmax_scale), cu_seqlens, cu_k, max(max_seqlen, 1))
+    return kernel, (max(max_seqlen, 1),)

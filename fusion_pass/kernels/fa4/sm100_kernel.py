@@ -199,6 +199,7 @@ class FlashAttentionForwardSm100Nvfp4(FlashAttentionForwardSm100):
                 tOrO_frg.fill(0.0)
             else:
                 cute.copy(tiled_tmem_load, tOtO_t2r[None, 0, 0, i], tOrO_frg)
+                cute.arch.fence_view_async_tmem_load()  # the registers are read next; the caller then frees O
                 for j in cutlass.range(0, cute.size(tOrO_frg), 2, unroll_full=True):
                     tOrO_frg[j], tOrO_frg[j + 1] = cute.arch.mul_packed_f32x2(
                         (tOrO_frg[j], tOrO_frg[j + 1]), (scale, scale)

@@ -26,13 +26,10 @@ run-time values: one compilation serves every batch of a layer.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from fusion_pass.kernels.checks import HALF_DTYPES
 from fusion_pass.kernels.fa4 import common
-from fusion_pass.kernels.fa4.common import FA4_INSTALL_HINT, FA4_VERSION, CUTLASS_DSL_VERSION, fa4_interface, \
-    unused_o
+from fusion_pass.kernels.fa4.common import FA4_INSTALL_HINT, FA4_VERSION, CUTLASS_DSL_VERSION, fa4_interface
 
 __all__ = [
     "FA4_VERSION",
@@ -109,40 +106,18 @@ def check_nvfp4_buffers(fn: str, q, v, output, output_scale, output_block_scale)
 
 
 def fa4_sm90_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
-    """Whether these FA4 SM90 kernels run a layer of these dims on ``device``: ``(ok, why)``.
-
-    Checks, in order: FA4 and our subclass import; a CUDA device of compute capability 9.x;
-    a bf16/fp16 dtype; ``(D, Dv)`` in :data:`SUPPORTED_HEAD_DIMS`; ``H*Dv/2 % 8 == 0``.
-    """
-    ok, why = fa4_import_status()
-    if not ok:
-        return False, why
-    device = torch.device(device)
-    if device.type != "cuda":
-        return False, f"fa4 runs on CUDA devices only, got {device}"
-    arch = common.device_arch(device)
-    if arch is None:
-        return False, "fa4: no CUDA device"
-    if arch // 10 != 9:
-        return False, f"fa4's SM90 kernel needs an SM90 GPU (H100/H200), {device} is sm_{arch}"
-    if dtype not in HALF_DTYPES:
-        return False, f"fa4 supports torch.float16 and torch.bfloat16 queries, got {dtype}"
-    if (head_dim, head_dim_v) not in SUPPORTED_HEAD_DIMS:
-        return False, (
-            f"fa4's SM90 kernel supports head dims (D, Dv) in {', '.join(map(str, SUPPORTED_HEAD_DIMS))}, "
-            f"got ({head_dim}, {head_dim_v})"
-        )
-    if (num_heads * head_dim_v // 2) % 8:
-        return False, f"fa4's NVFP4 epilogue needs H*Dv/2 divisible by 8, got H={num_heads}, Dv={head_dim_v}"
-    return True, "ok"
+    """Whether these FA4 SM90 kernels run a layer of these dims on ``device``: ``(ok, why)``
+    (:func:`fusion_pass.kernels.fa4.common.kernel_usable` with SM90 and :data:`SUPPORTED_HEAD_DIMS`)."""
+    return common.kernel_usable(device, dtype, num_heads, head_dim, head_dim_v, import_status=fa4_import_status(),
+                                families=(9,), label="SM90", gpus="H100/H200", head_dims=SUPPORTED_HEAD_DIMS)
 
 
-def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens, softmax_scale, causal,
-                         cu_seqlens_k=None):
-    """The compiled fused kernel for these tensors' static properties (compiling on a miss).
+def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k, max_seqlen, causal):
+    """``(compiled fused kernel, ())`` for these tensors' static properties (compiling on a miss); ``()``: no
+    run-time arguments after ``cu_seqlens_k`` (:func:`fusion_pass.kernels.fa4.common.run_fused`).
 
-    ``cu_seqlens_k`` (default ``cu_seqlens``) only shapes the compile arguments: the token
-    counts and the two offset tensors are run-time values, so one compilation serves both.
+    ``cu_seqlens_k`` only shapes the compile arguments: the token counts, ``max_seqlen`` and the two offset
+    tensors are run-time values, so one compilation serves every call of a layer.
 
     Works on real CUDA tensors and, for compile-only checks without a GPU, on fake
     ``device="cuda"`` tensors under ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_90a``.
@@ -186,17 +161,17 @@ def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens,
         if kernel.tile_hdimv != dv:  # the epilogue assumes Dv fills the tile (no hdim predication)
             raise RuntimeError(f"fa4: unexpected FA4 tile for Dv={dv}: tile_hdimv={kernel.tile_hdimv}")
         cu = to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0)
-        cu_k = cu if cu_seqlens_k is None else to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0)
+        cu_k = to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0)
         return cute.compile(
             kernel,
             to_cute_tensor(q),
             to_cute_tensor(k),
             to_cute_tensor(v),
-            to_cute_tensor(unused_o(q, dv)),
+            to_cute_tensor(o),
             to_cute_tensor(output),
             to_cute_tensor(scale_bytes, leading_dim=0),
             to_cute_tensor(output_scale, assumed_align=4, leading_dim=0),
-            softmax_scale,
+            0.1,  # softmax_scale: a run-time Float32
             cu,
             cu_k,
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -205,7 +180,7 @@ def compile_nvfp4_kernel(q, k, v, output, output_scale, scale_bytes, cu_seqlens,
 
     what = (f"the SM90 NVFP4 attention kernel ({str(q.dtype).replace('torch.', '')}, head dims ({d}, {dv}), "
             f"{qhead_per_kvhead} query heads per KV head, causal={causal}, tile {cfg.m_block_size}x{cfg.n_block_size})")
-    return common.compiled("fusion_pass_fa4_sm90_nvfp4", key, build, what)
+    return common.compiled("fusion_pass_fa4_sm90_nvfp4", key, build, what), ()
 
 
 def fa4_attention_varlen(
@@ -298,16 +273,6 @@ def fa4_attention_nvfp4_varlen(
     ``max_seqlen_k`` is accepted for :func:`fa4_attention_varlen`'s signature: the fused
     kernel reads key lengths from ``cu_seqlens_k`` alone.
     """
-    fn = "fa4_attention_nvfp4_varlen"
-    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
-    check_nvfp4_buffers(fn, q, v, output, output_scale, output_block_scale)
-    scale_bytes = common.scale_bytes_of(output_block_scale)
-    packed = output.view(torch.uint8).view(q.shape[0], -1)
-    if q.shape[0] == 0:
-        return
-    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    kernel = compile_nvfp4_kernel(
-        q, k, v, packed, output_scale, scale_bytes, cu_seqlens, float(softmax_scale), causal, cu_k
-    )
-    common.launch_nvfp4(kernel, q, v, output_block_scale, q, k, v, unused_o(q, v.shape[2]), packed, scale_bytes,
-                        output_scale, float(softmax_scale), cu_seqlens, cu_k)
+    common.run_fused("fa4_attention_nvfp4_varlen", q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, output,
+                     output_scale, output_block_scale, cu_seqlens_k, max_seqlen_k, check_args=check_fa4_args,
+                     check_buffers=check_nvfp4_buffers, compile_kernel=compile_nvfp4_kernel)

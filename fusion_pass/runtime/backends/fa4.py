@@ -15,13 +15,13 @@ from typing import Any, Callable
 import torch
 
 from fusion_pass import nvfp4
-from fusion_pass.kernels import launchers
+from fusion_pass.kernels import launchers, reference
 from fusion_pass.kernels.fa4 import common as fa4_common
 from fusion_pass.kernels.fa4 import forward
 from fusion_pass.runtime import settings
 from fusion_pass.runtime.backends.base import HALF_DTYPES, KernelBackend, check_device_dtype
 
-__all__ = ["FA4Backend", "canary_batches", "fa4_status"]
+__all__ = ["CANARY_REFERENCE_TOLERANCE", "FA4Backend", "canary_batches", "fa4_status"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,11 +50,19 @@ def fa4_status() -> tuple[bool, str]:
 
 
 def canary_batches() -> list[dict[str, Any]]:
-    """The self-check's fixed batches: query lengths and cached context per sequence. The first fits one
-    128-row tile per sequence (FA4's ``q_stage=1`` configuration on SM100), the second has a sequence of
-    two tiles and a prefix-cache hit read through ``cu_seqlens_k`` (``q_stage=2``, bottom-right causal)."""
-    return [{"query_lens": [1, 37, 128], "context_lens": [0, 0, 0]},
-            {"query_lens": [200, 9], "context_lens": [0, 75]}]
+    """The self-check's fixed batches: query lengths, cached context and a value scale per sequence. The first
+    fits one 128-row tile per sequence (FA4's ``q_stage=1`` configuration on SM100), its 37-token sequence has
+    values scaled by 1e-4 (block scales in the e4m3 subnormal range); the second has a sequence of two tiles
+    and a prefix-cache hit read through ``cu_seqlens_k`` (``q_stage=2``, bottom-right causal). The global scale
+    saturates the block scale of blocks above 0.5 (codes saturate at 6 too)."""
+    return [{"query_lens": [1, 37, 128], "context_lens": [0, 0, 0], "value_scales": [1.0, 1e-4, 1.0]},
+            {"query_lens": [200, 9], "context_lens": [0, 75], "value_scales": [1.0, 1.0]}]
+
+
+CANARY_REFERENCE_TOLERANCE = 1e-2
+"""Largest relative Frobenius distance between the twin's output and float32 attention that the canary accepts
+(the twin rounds to bf16/fp16: about 2^-9 relative; the bound only catches a broken main loop, which the byte
+comparison of fused vs twin cannot see because both share it)."""
 
 
 class FA4Backend(KernelBackend):
@@ -117,7 +125,9 @@ class FA4Backend(KernelBackend):
         ``nvfp4.quantize`` (the same FA4 main loop: :func:`fusion_pass.kernels.fa4.forward.fa4_attention_varlen`)
         with the layer's dtype and head dims, 3 query heads on 1 KV head (heads past the first, and GQA; the
         output stage does not depend on the head count), and compare every byte of the codes and of the
-        swizzled scales, padding included. ``(True, summary)`` or ``(False, where the first difference is)``."""
+        swizzled scales, padding included. The twin itself must also be within
+        :data:`CANARY_REFERENCE_TOLERANCE` of float32 attention (:func:`fusion_pass.kernels.reference.varlen_attention`).
+        ``(True, summary)`` or ``(False, where the first difference is)``."""
         device = torch.device(device)
         generator = torch.Generator(device=device).manual_seed(20261201)
         heads, kv_heads = 3, 1
@@ -127,7 +137,11 @@ class FA4Backend(KernelBackend):
             t, tk = sum(lens), sum(lens) + sum(ctx)
             q = torch.randn(t, heads, qk_head_dim, generator=generator, device=device).to(dtype)
             k = torch.randn(tk, kv_heads, qk_head_dim, generator=generator, device=device).to(dtype)
-            v = torch.randn(tk, kv_heads, v_head_dim, generator=generator, device=device).to(dtype)
+            v = torch.randn(tk, kv_heads, v_head_dim, generator=generator, device=device)
+            starts_k = [0] + list(_cumsum([a + b for a, b in zip(lens, ctx)]))
+            for i, value_scale in enumerate(batch["value_scales"]):
+                v[starts_k[i]:starts_k[i + 1]] *= value_scale
+            v = v.to(dtype)
             cu = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=device)
             cu_k = torch.tensor([0] + list(_cumsum([a + b for a, b in zip(lens, ctx)])), dtype=torch.int32,
                                 device=device)
@@ -143,6 +157,11 @@ class FA4Backend(KernelBackend):
                                                   softmax_scale=args["softmax_scale"], cu_seqlens_k=cu_k,
                                                   max_seqlen_k=args["max_seqlen_k"])
             want_packed, want_scales = nvfp4.quantize(twin.reshape(t, width), gs)
+            exact, _ = reference.varlen_attention(q, k, v, cu, True, args["softmax_scale"], cu_k)
+            distance = float((twin.float() - exact).norm() / exact.norm().clamp_min(1e-30))
+            if not distance <= CANARY_REFERENCE_TOLERANCE:
+                return False, (f"FA4's forward is {distance:.3g} (relative Frobenius) from float32 attention, above "
+                               f"{CANARY_REFERENCE_TOLERANCE} (query lengths {lens}, context {ctx})")
             got = (packed, scales.view(rows, cols))
             for name, a, b in (("codes", got[0], want_packed), ("scales", got[1], want_scales.view(torch.uint8))):
                 diff = (a != b).nonzero()
