@@ -23,6 +23,47 @@ commands:
   dump      the same run with graph dumps on: per compiled graph the post-grad
             graph before/after the pass, the match report, and depyf's dump.
   backends  list the fused-attention backends and why each is (un)available.
+  report    add up the pass reports that vLLM's processes wrote (FUSION_PASS_DUMP).
+  selftest  the first thing to run on a new GPU: run each fused backend's canary
+            (its NVFP4 bytes against its unfused twin's) for every head-dim
+            pair of its kernels on this GPU, in bf16 and fp16; time a few
+            prefill shapes fused vs FA4 + quant and cuDNN + quant; one verdict
+            per backend (correct / FAILED, faster / slower). Exit code 1 when a
+            canary fails. Without CUDA it says what it would check (--json).
+"""
+
+SELFTEST_DESCRIPTION = """\
+The first thing to run on a new GPU: are the fused kernels correct here, and faster than the unfused path?
+
+What it checks:
+  canaries  every backend available on the device that offers a canary (today fa4) runs it through
+            fusion_pass.runtime.self_check for each dtype (bfloat16, float16; --dtype) and each
+            head-dim pair (D, Dv) of its kernels on this GPU generation, {heads} query heads:
+{head_dims}
+            the fused NVFP4 kernel against the same attention forward in the query dtype + the
+            reference quantizer on fixed small batches, every byte of the codes and of the swizzled
+            scales compared. Other backends: "no canary".
+  timing    GPU time per call (median of --repeats replays of a CUDA graph of one call, CUDA events,
+            L2 flushed before each) of the fused backends ({timed}) against FA4's forward +
+            fusion_pass.kernels.quantize and cuDNN SDPA (on the padded batch [B, H, S, D] of equal-length
+            sequences) + the same quantizer; the ratio is best unfused / fused (above 1: fused is
+            faster). Shapes (H = query/KV heads, D = qk/v head dims, sequences x tokens, causal, in
+            the first dtype asked for):
+{shapes}
+  verdicts  per backend: correct, or FAILED with the configuration and the first differing byte; and
+            faster / slower than the best unfused path (geometric mean of the ratios, and at how many shapes).
+
+What it costs:
+  each canary configuration compiles the fused kernel and its twin the first time it runs in a process
+  (seconds: 7-11 s each on an H200, about 75 s for fa4's 8 SM90 configurations), then runs in well
+  under a second; the timing compiles each path once per shape, then takes well under a second per
+  path. Progress lines go to stderr. Without a CUDA device nothing runs: it prints what it would
+  check and why it cannot.
+
+Exit codes:
+  0  every canary passed (also when none ran, e.g. without a CUDA device; timings never fail the run)
+  1  a canary FAILED: that backend's fused kernel is wrong on this GPU (the run time disables it)
+  2  bad arguments
 """
 
 
@@ -49,6 +90,19 @@ def _integer_at_least(minimum: int, what: str):
 
 _positive = _integer_at_least(1, "positive")
 _non_negative = _integer_at_least(0, "non-negative")
+
+
+def _any_device(value: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (N below the device count where CUDA runs)."""
+    import torch
+
+    kind, _, index = value.partition(":")
+    if value == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index and count and int(index) >= count:
+            raise argparse.ArgumentTypeError(f"{value!r}: this machine has {count} CUDA device(s)")
+        return value
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {value!r}")
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,7 +154,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("dir", metavar="DIR", help="the FUSION_PASS_DUMP directory")
     report.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    _add_selftest(commands)
     return parser
+
+
+def _add_selftest(commands) -> None:
+    from fusion_pass import selftest
+
+    indent = " " * 14
+    head_dims = "\n".join(f"{indent}fa4 on {generation}: " + " ".join(f"({d},{dv})" for d, dv in pairs)
+                          for generation, pairs in selftest.FA4_HEAD_DIMS.items())
+    description = SELFTEST_DESCRIPTION.format(
+        head_dims=head_dims, heads=selftest.CANARY_HEADS, timed=", ".join(selftest.TIMED_BACKENDS),
+        shapes="\n".join(indent + s.label for s in selftest.SHAPES))
+    parser = commands.add_parser(
+        "selftest", help="check the fused kernels on this GPU (canaries, timing, verdicts); exit 1 if one is wrong",
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
+    parser.add_argument("--device", type=_any_device, default=None,
+                        help="cpu, cuda or cuda:N (default: the current CUDA device, else cpu)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "all"), default="all",
+                        help="the canaries' query dtype (default: all); the timing runs the first one")
+    parser.add_argument("--no-timing", action="store_true", help="canaries and verdicts on correctness only")
+    parser.add_argument("--repeats", type=_positive, default=selftest.REPEATS, metavar="N",
+                        help=f"timed calls per path and shape, the median is shown (default: {selftest.REPEATS})")
 
 
 def _progress(line: str) -> None:
@@ -151,8 +228,9 @@ def _run_dump(args: argparse.Namespace) -> int:
 
 def _run_backends() -> int:
     from fusion_pass.runtime.backends import list_backends
-    from fusion_pass.runtime.settings import (BACKEND_ENV, CONTEXT_WORKSPACE_ENV, configured_backend,
-                                              context_workspace_tokens)
+    from fusion_pass.runtime.self_check import self_check_results
+    from fusion_pass.runtime.settings import (BACKEND_ENV, CONTEXT_WORKSPACE_ENV, SELF_CHECK_ENV, configured_backend,
+                                              context_workspace_tokens, self_check_mode)
 
     from fusion_pass.runtime.backends.selection import default_device
 
@@ -169,7 +247,10 @@ def _run_backends() -> int:
             print(f"  {entry['name']}: not picked by auto: {entry['auto_reason']}")
     try:
         print(f"\nchoice: {configured_backend()} ({BACKEND_ENV}); context workspace bound: "
-              f"{context_workspace_tokens()} tokens ({CONTEXT_WORKSPACE_ENV})")
+              f"{context_workspace_tokens()} tokens ({CONTEXT_WORKSPACE_ENV}); self-check: {self_check_mode()} "
+              f"({SELF_CHECK_ENV}; fusion-pass selftest runs the checks now)")
+        for result in self_check_results():
+            print(f"  self-check {result.describe()}")
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -188,6 +269,16 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_selftest(args: argparse.Namespace) -> int:
+    from fusion_pass import selftest
+
+    dtypes = tuple(selftest.DTYPES.values()) if args.dtype == "all" else (selftest.DTYPES[args.dtype],)
+    report = selftest.run_selftest(args.device, dtypes=dtypes, timing=not args.no_timing, repeats=args.repeats,
+                                   progress=_progress)
+    print(json.dumps(report, indent=2) if args.json else selftest.format_report(report))
+    return report["exit_code"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -199,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_backends()
     if args.command == "report":
         return _run_report(args)
+    if args.command == "selftest":
+        return _run_selftest(args)
     parser.print_help()
     return 2
 
