@@ -29,7 +29,8 @@ commands:
             pair of its kernels on this GPU, in bf16 and fp16; time a few
             prefill shapes fused vs FA4 + quant and cuDNN + quant; one verdict
             per backend (correct / FAILED, faster / slower). Exit code 1 when a
-            canary fails. Without CUDA it says what it would check (--json).
+            canary fails, 3 when none could run on the GPU. Without CUDA it
+            says what it would check (--json).
 """
 
 SELFTEST_DESCRIPTION = """\
@@ -38,7 +39,9 @@ The first thing to run on a new GPU: are the fused kernels correct here, and fas
 What it checks:
   canaries  every backend available on the device that offers a canary (today fa4) runs it through
             fusion_pass.runtime.self_check for each dtype (bfloat16, float16; --dtype) and each
-            head-dim pair (D, Dv) of its kernels on this GPU generation, {heads} query heads:
+            head-dim pair (D, Dv) of its kernels on this GPU generation, for a layer of {heads} query
+            heads on 16 KV heads for (192, 128) (MLA) and on 4 for the others (GQA; the kernels compile
+            per query heads per KV head; the canary runs that ratio on 2 KV heads):
 {head_dims}
             the fused NVFP4 kernel against the same attention forward in the query dtype + the
             reference quantizer on fixed small batches, every byte of the codes and of the swizzled
@@ -61,9 +64,11 @@ What it costs:
   check and why it cannot.
 
 Exit codes:
-  0  every canary passed (also when none ran, e.g. without a CUDA device; timings never fail the run)
+  0  every canary passed (without a CUDA device: nothing ran; timings never fail the run)
   1  a canary FAILED: that backend's fused kernel is wrong on this GPU (the run time disables it)
   2  bad arguments
+  3  a CUDA device, but no canary could run on it (no available backend has one: e.g. the fa4 extra is
+     missing, or no kernel of this project for the GPU): nothing was checked
 """
 
 
@@ -148,9 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser(
         "report",
         help="add up the pass reports that vLLM's processes wrote under FUSION_PASS_DUMP",
-        description="Read DIR/vllm_report_<pid>.json (one per vLLM process that ran the pass, written when "
-        "FUSION_PASS_DUMP=DIR) and print one line per process and the totals: layers rewritten, refusals by "
-        "reason, fused and fallback calls.",
+        description="Read DIR/reports/vllm_report_<pid>.json (one per vLLM process that ran the pass, written when "
+        "FUSION_PASS_DUMP=DIR and kept current while it serves; DIR/vllm_report_<pid>.json, where earlier releases "
+        "wrote them, is read too) and print one line per process and the totals: layers rewritten, refusals by "
+        "reason, fused and fallback calls, prefill tokens fused and tokens post-quantized by reason.",
     )
     report.add_argument("dir", metavar="DIR", help="the FUSION_PASS_DUMP directory")
     report.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")

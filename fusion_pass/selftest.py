@@ -34,11 +34,20 @@ from fusion_pass.kernels.fa4 import sm100 as fa4_sm100
 from fusion_pass.runtime import self_check
 from fusion_pass.runtime.backends import selection
 
-__all__ = ["CANARY_HEADS", "DTYPES", "PATHS", "SHAPES", "TIMED_BACKENDS", "Shape", "canary_head_dims",
+__all__ = ["CANARY_HEADS", "DTYPES", "canary_kv_heads", "PATHS", "SHAPES", "TIMED_BACKENDS", "Shape", "canary_head_dims",
            "format_report", "gpu_time_ms", "has_canary", "measure_shape", "run_canaries", "run_selftest",
            "run_timings", "verdicts", "would_check"]
 
 CANARY_HEADS = 16
+"""Query heads of the layer each canary stands for; its key/value heads: :func:`canary_kv_heads`."""
+
+
+def canary_kv_heads(head_dims) -> int:
+    """Key/value heads of the layer a canary stands for: MLA's (192, 128) attends per query head (16 on 16),
+    the standard head dims stand for GQA with 4 query heads per KV head (16 on 4). The canary itself runs that
+    many query heads per KV head (the kernels compile per group size) on 2 KV heads."""
+    return CANARY_HEADS if tuple(head_dims) == (192, 128) else CANARY_HEADS // 4
+
 """Query heads of a canary configuration (the fa4 canary itself runs 3 heads on 1 KV head)."""
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 TIMED_BACKENDS = ("fa4", "triton")
@@ -120,14 +129,14 @@ def run_canaries(device, dtypes: Sequence[torch.dtype], backends, *, head_dims=c
         for dtype in dtypes:
             for d, dv in head_dims(backend, device):
                 entry = {"backend": backend.name, "dtype": _dtype_name(dtype), "head_dims": [d, dv],
-                         "num_heads": CANARY_HEADS}
+                         "num_heads": CANARY_HEADS, "num_kv_heads": canary_kv_heads((d, dv))}
                 ok, why = backend.supports(device, dtype, CANARY_HEADS, d, dv)
                 if not ok:
                     entry.update(status="skipped", detail=why, seconds=0.0)
                 else:
                     with warnings.catch_warnings():  # the report says it; run_self_check also logs it
                         warnings.simplefilter("ignore", RuntimeWarning)
-                        result = run_check(backend, device, dtype, CANARY_HEADS, d, dv)
+                        result = run_check(backend, device, dtype, CANARY_HEADS, d, dv, canary_kv_heads((d, dv)))
                     entry.update(status="passed" if result.passed else "FAILED", detail=result.detail,
                                  seconds=round(result.seconds, 3))
                 if progress is not None:
@@ -378,9 +387,10 @@ def run_selftest(device=None, *, dtypes: Sequence[torch.dtype] = tuple(DTYPES.va
             row["errors"][f"fused:{name}"] = "its canary failed"
     if timing:
         report["timing_method"] = TIMING_METHOD.replace("N replays", f"{repeats} replays")
-    passed = not failed
+    ran = any(c["status"] in ("passed", "FAILED") for c in canaries)
+    passed = ran and not failed
     report.update(cuda=True, canaries=canaries, timings=timings, verdicts=verdicts(info, canaries, timings),
-                  passed=passed, exit_code=0 if passed else 1)
+                  passed=passed, exit_code=0 if passed else (1 if failed else 3))
     return report
 
 
@@ -399,8 +409,9 @@ def format_report(report: dict[str, Any]) -> str:
         plan = report["would_check"]
         lines += [f"fusion-pass selftest on {report['device']}: cannot run here: {report['reason']}", "",
                   "On a CUDA device it would check:",
-                  f"  canaries ({CANARY_HEADS} query heads; {', '.join(report['dtypes'])}): the fused kernel's NVFP4 "
-                  "bytes against its unfused twin's, every byte"]
+                  f"  canaries ({', '.join(report['dtypes'])}; a layer of {CANARY_HEADS} query heads on "
+                  f"{canary_kv_heads((192, 128))} KV heads for (192, 128), on {canary_kv_heads((128, 128))} for the "
+                  "other head dims): the fused kernel's NVFP4 bytes against its unfused twin's, every byte"]
         for c in plan["canaries"]:
             lines.append(f"    {c['backend']} on {c['generation']}: head dims {_dims(c['head_dims'])}")
         for name in plan["no_canary"]:
@@ -420,8 +431,8 @@ def format_report(report: dict[str, Any]) -> str:
               "canaries (the fused kernel's NVFP4 bytes against its unfused twin's; the first run of a "
               "configuration compiles both kernels):"]
     for c in report["canaries"]:
-        lines.append(f"  {c['backend']:<10} {c['dtype']:<9} {str(tuple(c['head_dims'])):<11} {c['status']:<7} "
-                     f"{c['seconds']:7.2f} s  {c['detail']}")
+        lines.append(f"  {c['backend']:<10} {c['dtype']:<9} {str(tuple(c['head_dims'])):<11} "
+                     f"{c['num_heads']}/{c['num_kv_heads']:<3} {c['status']:<7} {c['seconds']:7.2f} s  {c['detail']}")
     for b in report["backends"]:
         if not b["canary"]:
             lines.append(f"  {b['name']:<10} no canary")
@@ -446,6 +457,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [f"  note: {note}" for row in report["timings"] for note in row["notes"]]
     lines += ["", "verdicts:"]
     lines += [f"  {name:<10} {v['line']}" for name, v in report["verdicts"].items()]
-    lines += ["", f"exit code {report['exit_code']}: " + (
-        "every canary passed" if report["passed"] else "a canary FAILED: that backend is not safe on this GPU")]
+    lines += ["", f"exit code {report['exit_code']}: " + {
+        0: "every canary passed", 1: "a canary FAILED: that backend is not safe on this GPU",
+        3: "no canary ran: no available backend has one on this GPU, nothing was checked"}[report["exit_code"]]]
     return "\n".join(lines)

@@ -124,7 +124,8 @@ def test_help_says_what_it_checks_costs_and_exits(capsys):
     for needle in ("canaries", "fa4 on SM90 (H100, H200): (64,64) (96,96) (128,128) (192,128)",
                    "fa4 on SM100/SM110 (B200, GB200): (64,64) (128,128) (192,128)", "cuDNN",
                    "compiles the fused kernel and its twin the first time", "well under a second",
-                   "0 every canary passed", "1 a canary FAILED", "2 bad arguments", "--no-timing", "--repeats"):
+                   "0 every canary passed", "1 a canary FAILED", "2 bad arguments",
+                   "3 a CUDA device, but no canary could run on it", "--no-timing", "--repeats"):
         assert needle in text, needle
     for shape in selftest.SHAPES:
         assert shape.label in text
@@ -162,8 +163,8 @@ class _StandIn:
     def run_varlen(self, *args, **kwargs):
         raise AssertionError("the stand-in timing never launches a kernel")
 
-    def _canary(self, device, dtype, num_heads, qk_head_dim, v_head_dim):
-        self.canary_calls.append((torch.device(device), dtype, num_heads, qk_head_dim, v_head_dim))
+    def _canary(self, device, dtype, num_heads, qk_head_dim, v_head_dim, group):
+        self.canary_calls.append((torch.device(device), dtype, num_heads, qk_head_dim, v_head_dim, group))
         if (dtype, (qk_head_dim, v_head_dim)) in self._fail:
             return False, "codes differ at 3 byte(s), first at row 37, byte 5"
         return True, "canary bytes equal"
@@ -200,6 +201,8 @@ def test_passing_canaries_give_correct_and_the_timings_give_faster_or_slower(cle
     assert [(c[1], c[3], c[4]) for c in fa4.canary_calls] == [
         (dtype, d, dv) for dtype in (torch.bfloat16, torch.float16) for d, dv in DIMS]
     assert {c[0] for c in fa4.canary_calls} == {torch.device("cuda:0")} and {c[2] for c in fa4.canary_calls} == {16}
+    # the group size of the layer the canary stands for: MLA 1, the standard head dims GQA 4
+    assert {(c[3], c[4]): c[5] for c in fa4.canary_calls} == {(128, 128): 4, (192, 128): 1}
     assert [c["status"] for c in report["canaries"]] == ["passed"] * 4
     # timed in the first dtype, every shape, the fused backends that are available
     assert [c[0] for c in timing.calls] == list(selftest.SHAPES)
@@ -259,7 +262,7 @@ class _no_warning:
 
 def test_a_canary_that_raises_fails_and_unsupported_configurations_are_skipped(clean_backend_state):
     class Raising(_StandIn):
-        def _canary(self, device, dtype, num_heads, qk_head_dim, v_head_dim):
+        def _canary(self, device, dtype, num_heads, qk_head_dim, v_head_dim, group):
             raise RuntimeError("cuLaunchKernel failed: no kernel image")
 
     fa4 = Raising("fa4", unsupported={(128, 128)})
@@ -276,7 +279,10 @@ def test_unavailable_backends_run_no_canary_and_are_not_timed(clean_backend_stat
     fa4 = _StandIn("fa4", available=False)
     timing = _Timing({"fused:triton": 1.0, "cudnn+quant": 1.1})
     report = _run([fa4, _StandIn("triton", canary=False)], timing)
-    assert fa4.canary_calls == [] and report["canaries"] == [] and report["exit_code"] == 0
+    # a CUDA device but no canary could run: nothing was checked, which is not a pass
+    assert fa4.canary_calls == [] and report["canaries"] == [] and report["exit_code"] == 3
+    assert report["passed"] is False
+    assert "exit code 3: no canary ran: no available backend has one on this GPU" in selftest.format_report(report)
     assert all(c[3] == ["triton"] for c in timing.calls)
     assert report["verdicts"]["fa4"]["correctness"] == "unavailable"
     assert "fa4 is not installed" in report["verdicts"]["fa4"]["line"]

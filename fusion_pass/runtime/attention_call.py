@@ -23,7 +23,8 @@ def layer_shape(impl, q: Tensor, inputs: tuple = ()) -> guard.LayerShape:
     ``inputs``: the dtype of its key/value inputs when it is not q's)."""
     qk = impl.qk_nope_head_dim + impl.qk_rope_head_dim if hasattr(impl, "qk_nope_head_dim") else impl.head_dim
     others = [x.dtype for x in inputs[1:] if x.dtype != q.dtype]
-    return guard.LayerShape(q.device, q.dtype, impl.num_heads, qk, impl.v_head_dim, others[0] if others else None)
+    return guard.LayerShape(q.device, q.dtype, impl.num_heads, qk, impl.v_head_dim, others[0] if others else None,
+                            getattr(impl, "num_kv_heads", None))
 
 
 def _write_output(out: Tensor, dtype: torch.dtype, output: Tensor, output_scale, output_block_scale) -> None:

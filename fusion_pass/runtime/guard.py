@@ -27,9 +27,12 @@ __all__ = ["BatchRows", "Decision", "FALLBACK_REASONS", "LayerShape", "decide"]
 
 FALLBACK_REASONS = (
     "no_attention_metadata",
+    "no_host_metadata",
     "dcp_world_size>1",
     "decode_tokens",
+    "cuda_graph_capture",
     "layer_not_supported",
+    "no_decode_adapter",
     "no_backend",
     "no_fast_backend",
     "self_check_failed",
@@ -38,9 +41,12 @@ FALLBACK_REASONS = (
     "chunked_prefill",
 )
 """Why rows are post-quantized, in the order the guard checks them. ``decode_tokens`` also names the decode
-rows of a mixed batch whose prefill rows are fused; ``no_attention_metadata`` (vLLM's profile and dummy runs)
-and ``layer_not_supported`` (what vLLM's layer computes beyond plain causal attention) come from the vLLM
-adapter; ``no_fast_backend``: a backend could run the layer, but ``auto`` takes only one this project
+rows of a mixed batch whose prefill rows are fused; ``no_attention_metadata`` (vLLM's profile and dummy runs),
+``no_host_metadata`` (vLLM metadata without a host copy of the batch: the adapter never reads device metadata),
+``cuda_graph_capture`` (a call being captured into a CUDA graph takes the fallback, which needs no decision),
+``layer_not_supported`` (what vLLM's layer computes beyond plain causal attention) and ``no_decode_adapter``
+(a standard layer on a vLLM attention backend without an adapter; counted as ``no_decode_adapter:<BACKEND>``)
+come from the vLLM adapter; ``no_fast_backend``: a backend could run the layer, but ``auto`` takes only one this project
 measured faster than the unfused path on the device's GPU generation (name one to run it anyway);
 ``self_check_failed``: the backend's kernel differed from its unfused twin on the first-use canary and is
 disabled for the process; ``self_check_pending``: the canary has not run yet and cannot run now (a CUDA graph is
@@ -77,7 +83,9 @@ class BatchRows:
 @dataclass(frozen=True)
 class LayerShape:
     """What a backend must support: the query's device and dtype and the layer's head dims; ``kv_dtype`` the
-    dtype of the key/value inputs (MLA: the latents) when it is not the query's (None: the query's)."""
+    dtype of the key/value inputs (MLA: the latents) when it is not the query's (None: the query's);
+    ``num_kv_heads`` the key/value heads the fused kernel attends over (None: ``num_heads``, as MLA's
+    up-projected keys)."""
 
     device: torch.device | str
     dtype: torch.dtype
@@ -85,6 +93,7 @@ class LayerShape:
     qk_head_dim: int
     v_head_dim: int
     kv_dtype: torch.dtype | None = None
+    num_kv_heads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -179,7 +188,7 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     if fused == 0 or (fused != prefill and not allow_partial):
         return fallback("chunked_prefill", context[2:])
     refused, checked = self_check.verify(backend, layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
-                                         layer.v_head_dim)
+                                         layer.v_head_dim, layer.num_kv_heads)
     if refused:
         return fallback(refused, checked)
     unfused = {"decode_tokens": d, "chunked_prefill": prefill - fused}

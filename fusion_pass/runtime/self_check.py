@@ -1,9 +1,9 @@
 """The first-use self-check of a fused kernel: a fixed canary, compared byte for byte, before it serves.
 
 A backend that offers one (``self_check_needed(device)`` and ``canary(device, dtype, num_heads, qk_head_dim,
-v_head_dim)``, as :class:`fusion_pass.runtime.backends.fa4.FA4Backend` does) is checked once per process and
-kernel configuration (backend, device, dtype, head dims), the first time the guard would fuse with it
-(:func:`verify`). The canary compiles and runs the fused kernel and the same forward in the query dtype +
+v_head_dim, group)``, as :class:`fusion_pass.runtime.backends.fa4.FA4Backend` does) is checked once per process and
+kernel configuration (backend, device, dtype, head dims, query heads per KV head), the first time the guard would
+fuse with it (:func:`verify`). The canary compiles and runs the fused kernel and the same forward in the query dtype +
 the reference quantizer on a few small batches; a difference disables the backend for the process: every
 later call that would use it takes the exact fallback with the reason ``self_check_failed``, and one warning
 names the configuration. The check never runs while a CUDA graph is being captured (a kernel launch there
@@ -13,6 +13,7 @@ check runs at the next eager call. :func:`run_self_check` runs it on request (``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,8 +29,9 @@ logger = logging.getLogger("fusion_pass")
 
 @dataclass(frozen=True)
 class SelfCheckResult:
-    """One configuration's self-check: ``passed``, what was compared or where it differed (``detail``), and the
-    seconds it took (``seconds``; the first one in a process includes compiling both kernels)."""
+    """One configuration's self-check: ``passed``, what was compared or where it differed (``detail``), the
+    seconds it took (``seconds``; the first one in a process includes compiling both kernels), and the query
+    heads per KV head it ran (``group``)."""
 
     backend: str
     device: str
@@ -38,11 +40,12 @@ class SelfCheckResult:
     passed: bool
     detail: str
     seconds: float
+    group: int = 1
 
     def describe(self) -> str:
         state = "passed" if self.passed else "FAILED"
-        return (f"{self.backend} on {self.device} ({self.dtype}, head dims {self.head_dims}): {state} in "
-                f"{self.seconds:.2f} s: {self.detail}")
+        return (f"{self.backend} on {self.device} ({self.dtype}, head dims {self.head_dims}, {self.group} query "
+                f"head(s) per KV head): {state} in {self.seconds:.2f} s: {self.detail}")
 
 
 _lock = threading.RLock()
@@ -58,29 +61,39 @@ def _device(device) -> torch.device:
     return device
 
 
-def _key(backend, device, dtype, qk_head_dim, v_head_dim) -> tuple:
-    return backend.name, str(_device(device)), dtype, qk_head_dim, v_head_dim
+def _group(num_heads: int, num_kv_heads: int | None) -> int:
+    """Query heads per key/value head (the kernels compile per group size)."""
+    return 1 if not num_kv_heads else max(1, num_heads // num_kv_heads)
+
+
+def _key(backend, device, dtype, qk_head_dim, v_head_dim, num_heads, num_kv_heads) -> tuple:
+    return (backend.name, str(_device(device)), dtype, qk_head_dim, v_head_dim, _group(num_heads, num_kv_heads))
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def run_self_check(backend, device, dtype, num_heads, qk_head_dim, v_head_dim) -> SelfCheckResult:
+def run_self_check(backend, device, dtype, num_heads, qk_head_dim, v_head_dim,
+                   num_kv_heads: int | None = None) -> SelfCheckResult:
     """Run ``backend``'s canary for this configuration now (whether or not it is needed) and record it. A
-    failure disables the backend for the process and warns once."""
+    failure disables the backend for the process and warns once. The canary runs on ``device`` (made current
+    for it) with the layer's query heads per KV head (``num_kv_heads``, default ``num_heads``)."""
     device = _device(device)
-    key = _key(backend, device, dtype, qk_head_dim, v_head_dim)
+    group = _group(num_heads, num_kv_heads)
+    key = _key(backend, device, dtype, qk_head_dim, v_head_dim, num_heads, num_kv_heads)
     with _lock:
         started = time.perf_counter()
         try:
-            passed, detail = backend.canary(device, dtype, num_heads, qk_head_dim, v_head_dim)
-            if device.type == "cuda" and torch.cuda.is_available():
-                torch.cuda.synchronize(device)  # a fault of the canary's kernels is the check's, not the caller's
+            cuda = device.type == "cuda" and torch.cuda.is_available()
+            with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+                passed, detail = backend.canary(device, dtype, num_heads, qk_head_dim, v_head_dim, group)
+                if cuda:
+                    torch.cuda.synchronize(device)  # a fault of the canary's kernels is the check's, not the caller's
         except Exception as exc:  # a kernel that does not compile or launch fails its check; never the caller
             passed, detail = False, f"the canary raised {type(exc).__name__}: {exc}"
         result = SelfCheckResult(backend.name, str(device), str(dtype).replace("torch.", ""),
-                                 (qk_head_dim, v_head_dim), passed, detail, time.perf_counter() - started)
+                                 (qk_head_dim, v_head_dim), passed, detail, time.perf_counter() - started, group)
         _results[key] = result
         if passed:
             logger.info("fusion_pass: self-check %s", result.describe())
@@ -94,27 +107,31 @@ def run_self_check(backend, device, dtype, num_heads, qk_head_dim, v_head_dim) -
         return result
 
 
-def verify(backend, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[str | None, str]:
+def verify(backend, device, dtype, num_heads, qk_head_dim, v_head_dim,
+           num_kv_heads: int | None = None) -> tuple[str | None, str]:
     """Whether ``backend`` may serve this configuration: ``(None, detail)`` if yes, else ``(reason, detail)``
-    with the reason ``"self_check_failed"`` or ``"self_check_pending"`` (module docstring). Runs the canary
-    the first time it is needed for the configuration."""
+    with the reason ``"self_check_failed"`` or ``"self_check_pending"`` (module docstring). A backend whose check
+    failed in this process is refused whether or not a check is required for this configuration. Runs the
+    canary the first time it is needed for the configuration (``num_kv_heads``: the layer's key/value heads,
+    default ``num_heads``; the canary runs the layer's query heads per KV head, which the kernels compile for)."""
     needed = getattr(backend, "self_check_needed", None)
     if needed is None:
         return None, "no self-check"
+    with _lock:
+        failed = _disabled.get(backend.name)
+    if failed is not None:
+        return "self_check_failed", failed.describe()
     device = _device(device)
     required, why = needed(device)
     if not required:
         return None, why
     with _lock:
-        failed = _disabled.get(backend.name)
-        if failed is not None:
-            return "self_check_failed", failed.describe()
-        result = _results.get(_key(backend, device, dtype, qk_head_dim, v_head_dim))
+        result = _results.get(_key(backend, device, dtype, qk_head_dim, v_head_dim, num_heads, num_kv_heads))
         if result is None:
             if _capturing(device):
                 return "self_check_pending", ("a CUDA graph is being captured; the self-check of the fused kernel "
                                               f"runs at the next eager call ({why})")
-            result = run_self_check(backend, device, dtype, num_heads, qk_head_dim, v_head_dim)
+            result = run_self_check(backend, device, dtype, num_heads, qk_head_dim, v_head_dim, num_kv_heads)
         if not result.passed:
             return "self_check_failed", _disabled.get(backend.name, result).describe()
     return None, f"self-check passed ({why})"

@@ -4,8 +4,8 @@ A small CuTe DSL kernel gives each thread one 16-element block of a ``[M, K]`` h
 ``quantize_block`` and ``store_block`` exactly as the SM90 and SM100 output stages do. On an SM90 GPU it runs the
 software e2m1 path (the one the SM90 kernel uses) and its bytes must equal ``nvfp4.quantize``'s on generated data
 with every special case of docs/nvfp4.md (ties, saturation, subnormal scales, negative zero, NaN and infinity
-blocks). On the CPU both paths, software and SM100's native ``cvt.rn.satfinite.e2m1x2.f32``, are compiled for
-their targets (fake tensors); the native path runs only on SM100 hardware, where the run-time self-check covers it.
+blocks). On an SM100/SM110 GPU the same test runs SM100's native ``cvt.rn.satfinite.e2m1x2.f32`` path too (never
+run by this project: no Blackwell GPU). On the CPU both paths are compiled for their targets (fake tensors).
 """
 
 from __future__ import annotations
@@ -120,12 +120,20 @@ def _special_rows(k, generator):
     return torch.stack(rows)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="runs the software e2m1 path on an SM90 GPU (H100/H200)")
+def _major():
+    return torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else None
+
+
+@pytest.mark.skipif(_major() not in (9, 10, 11), reason="runs on an SM90 or SM100/SM110 GPU")
 @needs_fa4
+@pytest.mark.parametrize("native", [False, True], ids=["software", "sm100-native"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, k", [(1, 16), (130, 256), (257, 4096), (64, 2048 + 16)])
-def test_block_quantization_on_the_gpu_equals_the_reference(tmp_path, dtype, m, k):
+def test_block_quantization_on_the_gpu_equals_the_reference(tmp_path, dtype, m, k, native):
+    """The software path on SM90 and SM100; the native e2m1 conversion on SM100/SM110 only (where it exists):
+    NaN, infinity, negative zero and ties included."""
+    if native and _major() not in (10, 11):
+        pytest.skip("cvt.rn.satfinite.e2m1x2.f32 exists on SM100 and later only")
     module = _load_kernel_module(tmp_path)
     generator = torch.Generator().manual_seed(m * 7919 + k)
     x = torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 40
@@ -139,7 +147,7 @@ def test_block_quantization_on_the_gpu_equals_the_reference(tmp_path, dtype, m, 
         rows, cols = nvfp4.scale_shape(m, k)
         packed = torch.full((m, k // 2), 0xAB, dtype=torch.uint8, device="cuda")
         scales = torch.zeros(rows * cols, dtype=torch.uint8, device="cuda")
-        kernel = module.compile_quantize_rows(xc, packed, scales, gsc, False)
+        kernel = module.compile_quantize_rows(xc, packed, scales, gsc, native)
         kernel(xc, packed, scales, gsc)
         torch.cuda.synchronize()
         assert torch.equal(packed.cpu(), want_packed), (gs_value, (packed.cpu() != want_packed).nonzero()[:5])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -108,19 +109,58 @@ def test_sm100_subclass_overrides_stages_fa4_4_0_0b36_has():
     assert kernel.index("self.softmax_loop") < kernel.index("self.correction_loop(")
 
 
-@needs_fa4
-@pytest.mark.parametrize("max_seqlen", [1, 64, 128, 129, 256, 257, 4096])
-@pytest.mark.parametrize("dims", sm100.SUPPORTED_HEAD_DIMS)
-def test_sm100_kernel_config_is_fa4s_own_choice(dims, max_seqlen):
+FA4_CHOICE = textwrap.dedent("""
+    import json, torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from flash_attn.cute import interface
 
-    cfg = interface._get_fwd_config(arch=100, head_dim=dims[0], head_dim_v=dims[1], causal=True, local=False,
-                                    window_size_left=None, window_size_right=None, max_seqlen_q=max_seqlen,
-                                    max_seqlen_k=max_seqlen, qhead_per_kvhead=1, num_head_kv=8, pack_gqa=False,
-                                    batch_size=4, num_splits=1, device=torch.device("cpu"))
-    mine = sm100.kernel_config(*dims, max_seqlen)
-    assert (cfg.m_block_size, cfg.n_block_size, cfg.q_stage, cfg.num_splits) == (128, 128, mine.q_stage, 1)
-    assert mine.use_s_ping_pong == (mine.q_stage == 1 and dims[0] == dims[1])
+    class Recorded(Exception):
+        pass
+
+    seen = []
+
+    class Recorder:  # stands in for FA4's SM100 class: records what FA4's interface builds, then stops
+        def __init__(self, *args, **kwargs):
+            seen.append({k: v for k, v in kwargs.items() if isinstance(v, (bool, int, type(None)))})
+            raise Recorded
+
+    interface.FlashAttentionForwardSm100 = Recorder
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for (d, dv), group, m in [(dims, g, m) for dims in ((64, 64), (128, 128), (192, 128))
+                                  for g in (1, 4) for m in (1, 64, 128, 129, 256, 257, 4096)]:
+            q = torch.empty(3000, 8, d, dtype=torch.bfloat16, device="cuda")
+            k = torch.empty(3000, 8 // group, d, dtype=torch.bfloat16, device="cuda")
+            v = torch.empty(3000, 8 // group, dv, dtype=torch.bfloat16, device="cuda")
+            cu = torch.empty(4, dtype=torch.int32, device="cuda")
+            try:
+                interface.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
+                                                 max_seqlen_k=m, causal=True, num_splits=1, pack_gqa=False)
+            except Recorded:
+                seen[-1].update(d=d, dv=dv, max_seqlen=m, group=group)
+    print(json.dumps(seen))
+""")
+
+
+@needs_fa4
+def test_sm100_kernel_config_is_fa4s_own_choice():
+    """What FA4's own interface builds for the calls the twin stands for (recorded from its constructor call under
+    FakeTensorMode) against :func:`sm100.kernel_config` and the constructor arguments ``sm100._compile`` passes."""
+    env = dict(os.environ, **SM100_ENV)
+    result = subprocess.run([sys.executable, "-c", FA4_CHOICE], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(seen) == 42
+    for fa4 in seen:
+        mine = sm100.kernel_config(fa4["d"], fa4["dv"], fa4["max_seqlen"])
+        assert (fa4["q_stage"], fa4["use_s_ping_pong"]) == (mine.q_stage, mine.use_s_ping_pong), fa4
+        assert (fa4["m_block_size"], fa4["n_block_size"]) == (sm100.TILE_M, sm100.TILE_N), fa4
+        assert fa4["qhead_per_kvhead"] == fa4["group"] and fa4["pack_gqa"] is False, fa4
+        for flag in ("use_2cta_instrs", "is_split_kv", "use_clc_scheduler", "has_tile_count_semaphore",
+                     "paged_kv_non_tma", "is_local"):
+            assert fa4[flag] is False, (flag, fa4)
+        assert fa4["is_varlen_q"] is True and fa4["is_causal"] is True
+        # the one scheduling choice the twin and the fused kernel make differently from FA4 (sm100.py docstring)
+        assert fa4["is_static_persistent"] == (fa4["max_seqlen"] <= fa4["q_stage"] * sm100.TILE_M), fa4
 
 
 @pytest.mark.parametrize("arch, dims, dtype, heads, ok, words", [

@@ -33,8 +33,8 @@ class Canary:
         monkeypatch.setattr(backends.ReferenceBackend, "canary", lambda backend, *a: self.run(*a), raising=False)
         return self
 
-    def run(self, device, dtype, heads, d, dv):
-        self.calls.append((str(device), dtype, heads, d, dv))
+    def run(self, device, dtype, heads, d, dv, group):
+        self.calls.append((str(device), dtype, heads, d, dv, group))
         return (True, "bytes equal") if self.passes else (False, "codes differ at 3 byte(s), first at row 1, byte 2")
 
 
@@ -45,8 +45,10 @@ def test_a_passing_canary_runs_once_per_configuration_and_the_call_is_fused(monk
         inputs = layer.inputs(spec.num_tokens, seed=seed)
         output, scales = layer.call(spec, inputs, GS)
     assert len(canary.calls) == 1
-    device, dtype, heads, d, dv = canary.calls[0]
+    device, dtype, heads, d, dv, group = canary.calls[0]
     assert (device, dtype, heads, dv) == ("cpu", torch.bfloat16, layer.impl.num_heads, layer.impl.v_head_dim)
+    # the layer's query heads per KV head: what its kernel is compiled for (MLA: keys up-projected per head)
+    assert group == layer.impl.num_heads // getattr(layer.impl, "num_kv_heads", layer.impl.num_heads)
     c = counters.counters()
     assert c["fused_by_backend"] == {"reference": 3} and not c["fallback"]
     (result,) = self_check.self_check_results()
@@ -154,7 +156,7 @@ def test_self_check_mode_setting_and_environment(monkeypatch):
 # ------------------------------------------------------------------ the FA4 canary's comparison (CPU stand-ins)
 
 
-def _stand_ins(monkeypatch, corrupt=None, main_loop_error=1.0):
+def _stand_ins(monkeypatch, corrupt=None, main_loop_error=1.0, seen=None):
     """FA4's two launchers replaced by float32 reference attention: the twin returns it in the query dtype, the
     fused call writes quantize(twin) into the buffers and then ``corrupt(packed, scale_bytes)``."""
     calls = []
@@ -171,6 +173,9 @@ def _stand_ins(monkeypatch, corrupt=None, main_loop_error=1.0):
         packed, scales = nvfp4.quantize(o.reshape(o.shape[0], -1), output_scale)
         output.copy_(packed)
         output_block_scale.view(-1).copy_(scales.view(torch.uint8).view(-1))
+        if seen is not None:
+            seen.append((q.shape[1], k.shape[1], packed, nvfp4.quantize(o.reshape(o.shape[0], -1), output_scale,
+                                                                        swizzled=False)[1].view(torch.uint8)))
         if corrupt:
             corrupt(output, output_block_scale.view(-1))
 
@@ -211,6 +216,57 @@ def test_fa4_canary_fails_on_any_differing_byte(monkeypatch, where, words):
     _stand_ins(monkeypatch, corrupt)
     ok, detail = backends.FA4Backend().canary(torch.device("cpu"), torch.float16, 16, 128, 128)
     assert not ok and detail.startswith(words) and "query lengths [1, 37, 128]" in detail
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_canary_data_hits_every_rule_of_the_format(monkeypatch, dims, dtype):
+    """Saturated and e4m3-subnormal block scales, saturated and negative-zero codes, a NaN block and infinite
+    elements: each occurs in the bytes the canary compares (the reference quantizer of float32 attention here)."""
+    seen = []
+    _stand_ins(monkeypatch, seen=seen)
+    ok, detail = backends.FA4Backend().canary(torch.device("cpu"), dtype, 16, *dims, 3)
+    assert ok, detail
+    heads = [(h, hkv) for h, hkv, _, _ in seen]
+    assert set(heads) == {(6, 2)}  # 3 query heads per KV head on 2 KV heads
+    codes = torch.cat([p.flatten() for _, _, p, _ in seen])
+    scale_bytes = torch.cat([s.flatten() for _, _, _, s in seen])
+    nibbles = torch.cat([codes & 0xF, codes >> 4])
+    assert int(((scale_bytes >= 0x01) & (scale_bytes <= 0x07)).sum()) > 0, "no e4m3-subnormal scale"
+    assert int((scale_bytes == 0x7E).sum()) > 0, "no saturated scale (448)"
+    assert int((scale_bytes == 0x7F).sum()) > 0, "no NaN block"
+    assert int((nibbles == 0x7).sum()) > 0 and int((nibbles == 0x8).sum()) > 0  # +6 and negative zero
+    infinite_blocks = 0
+    for _, _, packed, scales in seen:  # an infinite element: scale 448 (saturated) beside codes +/-6
+        infinite_blocks += int((scales == 0x7E).sum())
+    assert infinite_blocks
+
+
+def test_a_failed_check_refuses_the_backend_even_where_no_check_is_required(monkeypatch):
+    """On SM90 in mode auto no check is required; one that ran (fusion-pass selftest in-process, or
+    run_self_check at start-up) and failed still takes the backend out of every later call."""
+    monkeypatch.setattr(backends.FA4Backend, "canary", lambda self, *a: (False, "codes differ at 1 byte(s)"))
+    monkeypatch.setattr(backends.fa4, "device_arch", lambda index: 90)
+    monkeypatch.setattr(backends.FA4Backend, "available", lambda self: (True, "here"))
+    monkeypatch.setattr(backends.FA4Backend, "supports", lambda self, *a: (True, "ok"))
+    device = torch.device("cuda", 0)
+    with pytest.warns(RuntimeWarning, match="disabled for this process"):
+        result = self_check.run_self_check(backends.get_backend("fa4"), device, torch.bfloat16, 16, 192, 128)
+    assert not result.passed and self_check.failed_check("fa4") is result
+    shape = guard.LayerShape(device, torch.bfloat16, 16, 192, 128)
+    decision = guard.decide(guard.BatchRows.from_spec(SPECS["prefill"]), shape)
+    assert (decision.path, decision.reason) == ("fallback", "self_check_failed")
+
+
+def test_each_gqa_group_size_is_checked_on_its_own(monkeypatch):
+    """The kernels compile per query heads per KV head: a layer of another group size runs its own canary."""
+    canary = Canary().install(monkeypatch)
+    cpu = torch.device("cpu")
+    for kv_heads, group in ((8, 1), (2, 4), (None, 1), (4, 2), (2, 4)):
+        shape = guard.LayerShape(cpu, torch.bfloat16, 8, 64, 64, None, kv_heads)
+        assert guard.decide(guard.BatchRows.from_spec(SPECS["prefill"]), shape).path == "fused"
+    assert [c[-1] for c in canary.calls] == [1, 4, 2]
+    assert sorted(r.group for r in self_check.self_check_results()) == [1, 2, 4]
 
 
 # ------------------------------------------------------------------ the real FA4 canary on this GPU

@@ -38,6 +38,7 @@ __all__ = [
     "fa4_interface",
     "is_fake_mode",
     "kernel_usable",
+    "layout_key",
     "run_fused",
     "scale_bytes_of",
     "unused_o",
@@ -111,6 +112,12 @@ def kernel_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int,
     if (num_heads * head_dim_v // 2) % 8:
         return False, f"fa4's NVFP4 output needs H*Dv/2 divisible by 8, got H={num_heads}, Dv={head_dim_v}"
     return True, "ok"
+
+
+def layout_key(device, *tensors: Tensor) -> tuple:
+    """What a compiled kernel specializes on besides dtypes and dims: the target architecture and, per tensor,
+    which strides are 0 (the CuTe DSL keeps a stride-0 mode static when it marks a layout dynamic)."""
+    return (device_arch(device),) + tuple(tuple(s == 0 for s in t.stride()) for t in tensors)
 
 
 def check_fa4_args(fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k=None,

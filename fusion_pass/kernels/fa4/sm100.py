@@ -77,9 +77,17 @@ def kernel_config(head_dim: int, head_dim_v: int, max_seqlen_q: int) -> KernelCo
 def check_fa4_args(
     fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k=None, max_seqlen_k=None
 ) -> None:
-    """Shapes, dtypes, devices and head dims the FA4 SM100 kernels accept (no FA4 import, no sync)."""
+    """Shapes, dtypes, devices and head dims the FA4 SM100 kernels accept (no FA4 import, no sync), and q's
+    layout: token-major with a token's heads inside its row (``q.stride(0) >= H * q.stride(1) > 0`` when
+    ``H > 1``). The output stage finds a tile's row and head from its offset in a view of ``q``
+    (``sm100_kernel.py``), which only a layout of that order inverts."""
     common.check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k,
                           head_dims=SUPPORTED_HEAD_DIMS, kernel="FA4 SM100")
+    t_stride, h_stride = q.stride(0), q.stride(1)
+    if q.shape[1] > 1 and not (h_stride > 0 and t_stride >= q.shape[1] * h_stride):
+        raise ValueError(f"{fn}: q must be token-major with its heads inside a token's row for the SM100 kernel "
+                         f"(q.stride(0) >= H * q.stride(1) > 0), got shape {list(q.shape)} and strides {q.stride()}; "
+                         f"pass q.contiguous()")
 
 
 def fa4_sm100_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int) -> tuple[bool, str]:
@@ -106,7 +114,8 @@ def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen: int,
     cfg = kernel_config(d, dv, max_seqlen)
     dtype = interface.torch2cute_dtype_map[q.dtype]
     kind = "nvfp4" if fused else ("twin+lse" if lse is not None else "twin")
-    key = (KERNEL_VERSION, kind, dtype, d, dv, qhead_per_kvhead, causal) + tuple(cfg)
+    key = (KERNEL_VERSION, kind, dtype, d, dv, qhead_per_kvhead, causal) + tuple(cfg) \
+        + common.layout_key(q.device, q, k, v)
 
     def build():
         cls = FlashAttentionForwardSm100Nvfp4 if fused else FlashAttentionForwardSm100Twin

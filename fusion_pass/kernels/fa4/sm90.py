@@ -139,7 +139,7 @@ def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqle
             f"it was written against flash-attn-4=={FA4_VERSION} (docs/fa4.md)"
         )
     dtype = interface.torch2cute_dtype_map[q.dtype]
-    key = (KERNEL_VERSION, dtype, d, dv, qhead_per_kvhead, causal) + theirs
+    key = (KERNEL_VERSION, dtype, d, dv, qhead_per_kvhead, causal) + theirs + common.layout_key(q.device, q, k, v)
 
     def build():
         kernel = FlashAttentionForwardSm90Nvfp4(

@@ -2,7 +2,8 @@
 (:mod:`.base`) and the choice of one for a layer (:mod:`.selection`)."""
 
 from fusion_pass.runtime.backends.base import Backend
-from fusion_pass.runtime.backends.fa4 import FA4Backend, canary_batches, fa4_status
+from fusion_pass.runtime.backends.canary import canary_batches
+from fusion_pass.runtime.backends.fa4 import FA4Backend, fa4_status
 from fusion_pass.runtime.backends.reference import ReferenceBackend
 from fusion_pass.runtime.backends.selection import BACKEND_ORDER, get_backend, list_backends, refresh, select_backend
 from fusion_pass.runtime.backends.triton import TritonBackend, triton_availability
