@@ -11,6 +11,9 @@ Importing the package registers the ``torch.ops.fusion_pass`` op library. The fo
 * :mod:`fusion_pass.kernels`: attention and NVFP4 kernels (FA4, Triton, the PyTorch reference);
 * :mod:`fusion_pass.nvfp4`: the format, byte-exact;
 * :mod:`fusion_pass.vllm`: the vLLM integration (needs vLLM); :mod:`fusion_pass.demo`: the demo models and workload.
+
+``fusion_pass.PASS`` (the vLLM pass, ``fusion_pass.vllm.PASS``) exists once :mod:`fusion_pass.vllm` is imported, which
+sets it: vLLM looks a pass name ``fusion_pass.vllm.PASS`` up in this package's namespace. This module imports no vLLM.
 """
 
 import warnings

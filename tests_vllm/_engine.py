@@ -4,12 +4,15 @@
 
 SPEC: {"model": dir, "pass": bool, "pass_name": str (default: the one-liner),
        "workload": [{"kind": ..., "prompts": [[ids]], "max_tokens": n or [n per prompt]}], "llm": {...},
-       "keep_chunked_prefill": bool (see below)}
-OUT: torch.save({"steps": [{"kind", "taps": [(a, block_scale_a)], "decisions", "calls", "shadows", ...}],
-"report", "counters", "config", "unit_norm_weights"}). Per call of our vLLM attention op (pass runs only), in
-call order: ``decisions`` its path ("fused") or fallback reason; ``calls`` the decision's rows and the batch
-it was taken for (``decode``: decode tokens; MLA: ``query_lens`` / ``context_lens`` per prefill); per fused
-call, ``shadows`` its bytes and the exact fallback's on the same inputs (:func:`shadow_unfused`).
+       "keep_chunked_prefill": bool (see below), "logprobs": n (default 2)}
+OUT: torch.save({"steps": [{"kind", "taps": [(a, block_scale_a)], "tokens", "logprobs", "decisions", "calls",
+"shadows", ...}], "report", "counters", "config", "unit_norm_weights"}). ``logprobs``: per prompt, per generated
+token, the ``(token id, logprob)`` of the top ``n`` (vLLM's sampler, greedy), to tell exact ties. Per call of our
+vLLM attention op (pass runs only), in call order: ``decisions`` its path ("fused") or fallback reason; ``calls``
+the decision's rows and the batch it was taken for (``decode``: decode tokens, ``decode_rows`` their rows;
+``query_lens`` / ``context_lens`` per prefill; ``host_copies``: the metadata kept vLLM's host copies of the batch
+through the build hook); per fused call, ``shadows`` its bytes and the exact fallback's on
+the same inputs (:func:`shadow_unfused`).
 Taps (the o_proj's NVFP4 inputs), shadows and unit norm weights (:func:`unit_norm_weights`) only with
 VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in this process).
 
@@ -59,21 +62,19 @@ def unit_norm_weights(model) -> int:
     return count
 
 
-def batch_of_current_call() -> dict:
-    """The batch of the attention call being recorded, from vLLM's forward context."""
-    from vllm.forward_context import get_forward_context
+def batch_of_current_call(layer_name) -> dict:
+    """The batch of the attention call being recorded (its layer's metadata in vLLM's forward context), as the
+    guard reads it (host-side rows: fusion_pass.vllm.host_rows)."""
+    from fusion_pass.vllm import attention_op, guard
 
-    from fusion_pass.vllm import guard
-
-    md = get_forward_context().attn_metadata
-    if isinstance(md, dict):
-        md = next(iter(md.values()), None)
-    if md is None:
-        return {"decode": 0}
-    if hasattr(md, "num_decode_tokens") and hasattr(md, "prefill"):
-        decode, query_lens, context_lens = guard.mla_batch(md)
-        return {"decode": decode, "query_lens": query_lens, "context_lens": context_lens}
-    return {"decode": guard.batch_kind(md)[0]}
+    md, layer, _ = attention_op._context(layer_name)
+    rows = None if md is None else guard.step_rows(md, layer)
+    if rows is None:
+        return {"decode": 0, "decode_rows": [], "host_copies": False}
+    return {"decode": rows.rows.decode_tokens, "decode_rows": rows.decode_rows,
+            "query_lens": list(rows.rows.query_lens), "context_lens": list(rows.rows.context_lens),
+            # vLLM's host copies kept by the metadata builder's hook (fusion_pass.vllm.host_rows.install_build_hook)
+            "host_copies": hasattr(md, "_fusion_pass_host")}
 
 
 def shadow_unfused(shadows: list) -> None:
@@ -125,7 +126,7 @@ def main(spec_path: str, out_path: str) -> None:
         decisions.append(decision.reason or "fused")
         calls.append({"path": decision.path, "reason": decision.reason, "prefill_tokens": decision.prefill_tokens,
                       "fused_tokens": decision.fused_tokens, "post_quantized": dict(decision.post_quantized),
-                      **batch_of_current_call()})
+                      **batch_of_current_call(layer_name)})
         record(decision, layer_name)
 
     counters.record = record_and_keep  # fusion_pass.vllm.attention_op calls counters.record
@@ -137,8 +138,8 @@ def main(spec_path: str, out_path: str) -> None:
         max_tokens = step["max_tokens"]
         if isinstance(max_tokens, int):
             max_tokens = [max_tokens] * len(step["prompts"])
-        params = [SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True)
-                  for n in max_tokens]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True,
+                                 logprobs=spec.get("logprobs", 2)) for n in max_tokens]
         decisions.clear()
         calls.clear()
         shadows.clear()
@@ -146,6 +147,8 @@ def main(spec_path: str, out_path: str) -> None:
             outs = llm.generate([{"prompt_token_ids": p} for p in step["prompts"]], params, use_tqdm=False)
         steps.append({"kind": step["kind"], "taps": [(a, s) for a, s in tap],
                       "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                      "logprobs": [[sorted(((t, lp.logprob) for t, lp in pos.items()), key=lambda x: -x[1])
+                                    for pos in (o.outputs[0].logprobs or [])] for o in outs],
                       "decisions": list(decisions), "calls": list(calls), "shadows": list(shadows)})
     result = {"steps": steps, "counters": counters.counters(), "engine_s": engine_s, "pid": os.getpid(),
               "unit_norm_weights": norms}

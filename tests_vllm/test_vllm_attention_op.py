@@ -246,25 +246,6 @@ def test_guard_refuses_mla_layers_whose_kv_b_proj_weight_vllm_released():
         assert decision.post_quantized == {"layer_not_supported": 17}
 
 
-def test_guard_keeps_standard_layers_on_the_exact_fallback_for_decode_rows_and_context():
-    layer = SimpleNamespace(num_heads=4, num_kv_heads=2, head_size=64, kv_cache_dtype="auto", attn_type="decoder",
-                            impl=SimpleNamespace(sliding_window=None, alibi_slopes=None, sinks=None,
-                                                 logits_soft_cap=None, scale=0.125))
-    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
-
-    def standard(query_lens, seq_lens):
-        loc = torch.tensor([0] + query_lens).cumsum(0)
-        return SimpleNamespace(query_start_loc=loc, seq_lens=torch.tensor(seq_lens), num_actual_tokens=int(loc[-1]),
-                               max_query_len=max(query_lens), causal=True)
-
-    mixed = guard.decide("l", q, standard([1, 6], [9, 6]), layer)
-    assert (mixed.reason, mixed.post_quantized, mixed.prefill_tokens) == ("decode_tokens", {"decode_tokens": 7}, 6)
-    chunked = guard.decide("l", q, standard([6], [20]), layer)
-    assert (chunked.reason, chunked.post_quantized) == ("chunked_prefill", {"chunked_prefill": 6})
-    fused = guard.decide("l", q, standard([6, 3], [6, 3]), layer)
-    assert (fused.path, fused.fused_tokens, fused.post_quantized) == ("fused", 9, {})
-
-
 def test_fused_calls_run_inside_vllms_kv_connector_hooks(monkeypatch):
     """With a KV connector (disaggregated prefill, external prefix caches), the layer's KV is loaded before the
     fused path reads cached context and saved after, as around vLLM's own attention op."""

@@ -1,5 +1,6 @@
-"""A real vllm.LLM (vLLM's CPU build) on tiny DeepSeek-V3-style and Llama configs, with the documented
-one-liner vs without it: the report, the o_proj's NVFP4 input, the guard's decisions, multiprocessing.
+"""A real vllm.LLM (vLLM's CPU build) on tiny DeepSeek-V3-style (MLA) and Qwen2-style (GQA, qkv bias) configs,
+with the documented one-liner vs without it: the report, the o_proj's NVFP4 input, the guard's decisions, greedy
+tokens, multiprocessing.
 
 Batch kinds on vLLM's CPU build: the MLA model ("dsv3") runs vLLM's reference CPU_MLA backend (pinned: ``CPU_MLA``),
 for which vLLM's CPU platform turns chunked prefill and prefix caching off (``CpuPlatform.check_and_update_config``):
@@ -7,7 +8,17 @@ with vLLM's settings it produces pure prefill, decode-only and mixed (decode + p
 prefill with cached context. "dsv3_chunked" keeps chunked prefill and prefix caching on after that check
 (``keep_chunked_prefill``, tests_vllm/_engine.py): vLLM's own MLA code then computes chunked prefills and
 prefix-cache hits on the CPU (its context gather ``gather_mla_context_cache_cpu`` and the CPU SDPA prefill
-backend's ``run_prefill_context_chunk``), in the run without the pass as in the run with it.
+backend's ``run_prefill_context_chunk``), in the run without the pass as in the run with it. The Qwen2 model
+("qwen2") runs vLLM's CPU_ATTN backend with chunked prefill (a 32-token budget), prefix caching and 32-token KV
+blocks: pure prefills, chunks with cached context beside decodes, a prefix-cache hit; vLLM keeps its requests in
+their batch order, so decode rows may sit between prefill rows.
+
+Greedy tokens are compared with the run without the pass token by token; they may part at an exact tie only: a
+position where the run without the pass had its two most likely tokens at the same logprob (vLLM's sampler
+returns the top 2 with each token: ``logprobs=2``; bf16 logits make equal values common), and the run with the
+pass took the other tied token. From there on that sequence is not compared, nor are that step's o_proj inputs
+with the other run's (their inputs differ); every fused call is still compared with vLLM's op on its own inputs
+(the shadows).
 """
 
 import json
@@ -15,11 +26,13 @@ import json
 import pytest
 import torch
 
-from conftest import DSV3, LLAMA, run_engine
+from conftest import DSV3, run_engine, write_model
 from fusion_pass import nvfp4
 from nvfp4_test_quant import ACT_GLOBAL_SCALE
+from tiny_models import QWEN2
 
-SHARED = list(range(100, 148))  # three 16-token KV blocks: a prefix-cache hit of 48 tokens
+SHARED = list(range(100, 148))  # three 16-token KV blocks (MLA): a prefix-cache hit of 48 tokens
+SHARED_QWEN2 = list(range(100, 164))  # two 32-token KV blocks (CPU_ATTN): a prefix-cache hit of 64 tokens
 CHUNKED = {"max_num_batched_tokens": 32, "enable_chunked_prefill": True}
 # vLLM's reference CPU_MLA backend for the MLA model, also on x86 CPUs with AMX, where vLLM would pick its AMX_MLA
 # backend: that one keeps chunked prefill and prefix caching on and releases kv_b_proj's weight after packing it
@@ -41,13 +54,19 @@ CONFIGS = {
         {"kind": "chunked", "prompts": [list(range(3, 10)), list(range(10, 80)), list(range(200, 205)),
                                         SHARED + [5, 6, 7]], "max_tokens": [6, 2, 8, 3]},
         {"kind": "prefix_hit", "prompts": [SHARED + [9, 9, 9, 9]], "max_tokens": 2}]},
-    # Llama: a 32-token budget splits the 40-token prompt (chunked prefill) and mixes decode with prefill.
-    "llama": {"model": "llama", "llm": {**CHUNKED, "enable_prefix_caching": False}, "workload": [
+    # Qwen2 (CPU_ATTN): pure prefill; a 32-token budget splitting the 70-token prompt beside decodes and new
+    # prompts (chunks with cached context in mixed batches); then a prompt sharing a cached 64-token prefix.
+    "qwen2": {"model": "qwen2", "llm": {**CHUNKED, "enable_prefix_caching": True, "block_size": 32}, "workload": [
         {"kind": "prefill", "prompts": [list(range(3, 10)), list(range(10, 30))], "max_tokens": 1},
-        {"kind": "mixed", "prompts": [list(range(100, 140)), list(range(200, 220))], "max_tokens": 4}]},
+        {"kind": "chunked", "prompts": [list(range(3, 10)), list(range(10, 80)), list(range(200, 205)),
+                                        SHARED_QWEN2 + [5, 6, 7]], "max_tokens": [6, 2, 8, 3]},
+        {"kind": "prefix_hit", "prompts": [SHARED_QWEN2 + [9, 9, 9, 9]], "max_tokens": 2}],
+        "hit": len(SHARED_QWEN2)},
 }
+CONFIGS["dsv3_chunked"]["hit"] = len(SHARED)
 LAYERS = DSV3["num_hidden_layers"]
-assert LLAMA["num_hidden_layers"] == LAYERS
+assert QWEN2["num_hidden_layers"] == LAYERS
+STANDARD = {"qwen2"}  # configurations of standard-attention models
 GS = torch.tensor([ACT_GLOBAL_SCALE])
 
 
@@ -57,13 +76,27 @@ def spec(name: str, models: dict, with_pass: bool, **extra) -> dict:
             "llm": config["llm"], "keep_chunked_prefill": config.get("keep_chunked_prefill", False), **extra}
 
 
+@pytest.fixture(scope="module")
+def engine_models(models, tmp_path_factory) -> dict:
+    return {**models, "qwen2": write_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", QWEN2)}
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def runs(request, models, tmp_path_factory):
+def runs(request, engine_models, tmp_path_factory):
+    """(name, run with the pass, run without it); standard-attention models also with multiprocessing on (the
+    pass's run-time counters from its worker's report file: ``mp``)."""
     name = request.param
     out = {}
     for with_pass in (True, False):
         tmp = tmp_path_factory.mktemp(f"{name}_{'pass' if with_pass else 'plain'}")
-        out[with_pass] = run_engine(tmp, spec(name, models, with_pass))
+        out[with_pass] = run_engine(tmp, spec(name, engine_models, with_pass))
+    if name in STANDARD:
+        tmp = tmp_path_factory.mktemp(f"{name}_pass_mp")
+        out[True]["mp"] = run_engine(tmp / "run", spec(name, engine_models, True), multiprocessing=True,
+                                     FUSION_PASS_DUMP=str(tmp / "dump"),
+                                     FUSION_PASS_VLLM_IMPORT="nvfp4_test_quant,unit_norm_dummy")
+        out[True]["mp"]["reports"] = [json.loads(p.read_text())
+                                      for p in sorted((tmp / "dump" / "reports").glob("vllm_report_*.json"))]
     return name, out[True], out[False]
 
 
@@ -89,43 +122,63 @@ def _bound(plain_hat, gs):
     return 2 * nvfp4.error_bound(plain_hat, gs) + 2 * plain_hat.abs() * 2.0 ** -8
 
 
-def _scale_bytes(scales, rows: int, k: int):
-    """The swizzled scale bytes of rows ``[0, rows)`` (every block column, padding columns included)."""
-    cols = nvfp4.scale_shape(rows, k)[1]
-    offsets = nvfp4.swizzled_offset(torch.arange(rows)[:, None], torch.arange(cols)[None, :], k // nvfp4.BLOCK_SIZE)
+def _scale_bytes(scales, rows, k: int):
+    """The swizzled scale bytes of ``rows`` (every block column, padding columns included)."""
+    cols = nvfp4.scale_shape(1, k)[1]
+    rows = torch.as_tensor(rows, dtype=torch.long)
+    offsets = nvfp4.swizzled_offset(rows[:, None], torch.arange(cols)[None, :], k // nvfp4.BLOCK_SIZE)
     return scales.contiguous().view(torch.uint8).view(-1)[offsets]
 
 
-def check_rows(fa, fs, pa, ps, decode: int | None, what: str) -> None:
-    """``decode=None``: every byte equal (an exact fallback). Else rows ``[0, decode)`` byte-equal (their
-    packed bytes and swizzled scales) and rows ``[decode, M)`` within the fused bound."""
+def check_rows(fa, fs, pa, ps, decode_rows: list | None, what: str) -> None:
+    """``decode_rows=None``: every byte equal (an exact fallback). Else the decode rows byte-equal (their packed
+    bytes and swizzled scales) and every other row (a fused prefill row) within the fused bound."""
     assert fa.shape == pa.shape and fa.dtype == torch.uint8, what
-    if decode is None:
+    if decode_rows is None:
         assert torch.equal(fa, pa) and torch.equal(fs.view(torch.uint8), ps.view(torch.uint8)), what
         return
     m, k = fa.shape[0], fa.shape[1] * 2
-    assert torch.equal(fa[:decode], pa[:decode]), what
+    decode = torch.tensor(decode_rows, dtype=torch.long)
+    assert torch.equal(fa[decode], pa[decode]), what
     assert torch.equal(_scale_bytes(fs, decode, k), _scale_bytes(ps, decode, k)), what
-    f_hat, p_hat = nvfp4.dequantize(fa, fs, GS, m=m), nvfp4.dequantize(pa, ps, GS, m=m)
-    assert p_hat[decode:].abs().max() > 0, f"{what}: the prefill rows quantize to zero (a vacuous comparison)"
-    assert ((f_hat[decode:] - p_hat[decode:]).abs() <= _bound(p_hat[decode:], GS)).all(), what
+    prefill = torch.ones(m, dtype=torch.bool)
+    prefill[decode] = False
+    f_hat, p_hat = nvfp4.dequantize(fa, fs, GS, m=m)[prefill], nvfp4.dequantize(pa, ps, GS, m=m)[prefill]
+    assert p_hat.abs().max() > 0, f"{what}: the prefill rows quantize to zero (a vacuous comparison)"
+    assert ((f_hat - p_hat).abs() <= _bound(p_hat, GS)).all(), what
 
 
-def _decode_rows(call) -> int | None:
-    return None if call["path"] == "fallback" else call["post_quantized"].get("decode_tokens", 0)
+def _decode_rows(call) -> list | None:
+    return None if call["path"] == "fallback" else call["decode_rows"]
+
+
+def check_tokens(f_step, p_step, what: str) -> bool:
+    """Greedy tokens equal to the run without the pass, except from an exact tie on (module docstring). Returns
+    whether every sequence of the step is equal."""
+    equal = True
+    for f, p, top in zip(f_step["tokens"], p_step["tokens"], p_step["logprobs"], strict=True):
+        assert len(f) == len(p), what
+        if f == p:
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(f, p)) if a != b)
+        tied = {t for t, lp in top[j] if lp == top[j][0][1]}
+        assert len(tied) > 1 and f[j] in tied, f"{what}: tokens part at {j} without an exact tie: {f} vs {p}, {top[j]}"
+        equal = False
+    return equal
 
 
 def check_against_plain_run(fused, plain) -> set:
     """The o_proj's NVFP4 input of the first attention layer, run with vs without the pass: its input (the
     token embeddings) is the same in both runs, later layers' inputs differ once a fused prefill ran upstream
-    (those are checked against the unfused op on their own inputs: the shadows). Returns the decisions seen."""
+    (those are checked against the unfused op on their own inputs: the shadows); steps whose tokens parted at a
+    tie are not compared (module docstring). Returns the decisions seen."""
     kinds = set()
     for f_step, p_step in zip(fused["steps"], plain["steps"], strict=True):
-        assert f_step["tokens"] == p_step["tokens"]
+        same = check_tokens(f_step, p_step, f_step["kind"])
         assert len(f_step["taps"]) == len(p_step["taps"]) == len(f_step["calls"]) > 0
         for i, ((fa, fs), (pa, ps), call) in enumerate(zip(f_step["taps"], p_step["taps"], f_step["calls"])):
             kinds.add(call["reason"] or call["path"])
-            if i % LAYERS == 0:
+            if same and i % LAYERS == 0:
                 check_rows(fa, fs, pa, ps, _decode_rows(call), f"{f_step['kind']} call {i}: {call}")
     return kinds
 
@@ -149,20 +202,20 @@ def test_o_proj_nvfp4_input_bytes_equal_on_decode_rows_within_bound_on_fused_pre
     calls = [c for step in fused["steps"] for c in step["calls"]]
     mixed = [c for c in calls if c["path"] == "fused" and c["decode"]]
     with_context = [c for c in calls if c["path"] == "fused" and sum(c.get("context_lens", [])) > 0]
-    if name == "llama":  # standard layers: decode tokens or cached context take the exact fallback
-        assert {"fused", "decode_tokens", "chunked_prefill"} <= kinds, kinds
-        assert not mixed and not with_context
-        return
     assert {"fused", "decode_tokens"} <= kinds, kinds
     assert set(kinds) <= {"fused", "decode_tokens", "no_attention_metadata"}, kinds  # every prefill row fused
     assert mixed, "no mixed (decode + prefill) batch was fused"
     assert all(c["post_quantized"] == {"decode_tokens": c["decode"]} for c in mixed)
+    assert all(len(c["decode_rows"]) == c["decode"] for c in calls)
+    if name in STANDARD:  # rows read from vLLM's host copies, kept by the hook on CPU_ATTN's metadata builder
+        assert all(c["host_copies"] for c in calls if c["reason"] != "no_attention_metadata")
     if name == "dsv3":
         assert not with_context  # vLLM's CPU platform turned chunked prefill and prefix caching off
         return
     assert [c for c in with_context if c["decode"]], "no mixed batch with a chunked prefill was fused"
-    hits = [c for c in fused["steps"][1]["calls"] if c["path"] == "fused"]
-    assert hits and all(c["context_lens"] == [len(SHARED)] and c["query_lens"] == [4] for c in hits), hits
+    hits = [c for c in fused["steps"][-1]["calls"] if c["path"] == "fused"]
+    hit = CONFIGS[name]["hit"]
+    assert hits and all(c["context_lens"] == [hit] and c["query_lens"] == [4] for c in hits), hits
 
 
 def test_guard_counts_every_call_and_names_each_path_once_in_vllms_log(runs):
@@ -171,17 +224,33 @@ def test_guard_counts_every_call_and_names_each_path_once_in_vllms_log(runs):
     assert counters == fused["report"]["runtime_process"]
     calls = sum(len(s["decisions"]) for s in fused["steps"])
     assert counters["fused"] + sum(counters["fallback"].values()) == calls
-    # pure-prefill calls run the fused path: on vLLM's CPU build the reference backend (float32 attention)
+    # every call with a prefill row runs the fused path: on vLLM's CPU build the reference backend (float32
+    # attention); decode-only calls and vLLM's dummy runs take the exact fallback
     assert counters["fused"] > 0 and counters["fused_by_backend"] == {"reference": counters["fused"]}
-    assert set(counters["fallback"]) <= {"decode_tokens", "chunked_prefill", "no_attention_metadata"}
+    assert set(counters["fallback"]) <= {"decode_tokens", "no_attention_metadata"}
     assert "attention + NVFP4 quant fused with backend reference" in fused["log"]
     assert "attention + NVFP4 quant fell back (decode_tokens)" in fused["log"]
     tokens = counters["tokens"]
     assert tokens["prefill"] > 0 and tokens["post_quantized"]["decode_tokens"] > 0
-    if name.startswith("dsv3"):  # MLA: every prefill row fused, mixed batches' decode rows post-quantized
-        assert tokens["prefill_fused"] == tokens["prefill"]
-    else:
-        assert 0 < tokens["prefill_fused"] < tokens["prefill"] and tokens["post_quantized"]["chunked_prefill"] > 0
+    assert tokens["prefill_fused"] == tokens["prefill"]  # every prefill token of every batch kind
+
+
+def test_multiprocessing_on_standard_layers_fuse_every_prefill_token(runs):
+    """The Qwen2 configuration with V1 multiprocessing on: the engine core runs the model in another process,
+    whose report file (FUSION_PASS_DUMP) holds the pass's run-time counters."""
+    name, fused, plain = runs
+    if name not in STANDARD:
+        pytest.skip("multiprocessing on is run for the standard-attention model here (MLA: the test below)")
+    mp = fused["mp"]
+    compiled = [r for r in mp["reports"] if r["graphs"]]
+    assert len(compiled) == 1 and compiled[0]["pid"] != mp["pid"], mp["reports"]
+    runtime = compiled[0]["runtime"]
+    tokens = runtime["tokens"]
+    assert runtime["fused"] > 0 and set(runtime["fallback"]) <= {"decode_tokens", "no_attention_metadata"}, runtime
+    assert tokens["prefill"] > 0 and tokens["prefill_fused"] == tokens["prefill"], runtime
+    assert tokens["post_quantized"]["decode_tokens"] > 0, runtime
+    for f_step, p_step in zip(mp["steps"], plain["steps"], strict=True):
+        check_tokens(f_step, p_step, f"multiprocessing on, {f_step['kind']}")
 
 
 def test_multiprocessing_on_one_liner_pickles_and_reports_per_process(models, tmp_path):
@@ -189,7 +258,8 @@ def test_multiprocessing_on_one_liner_pickles_and_reports_per_process(models, tm
     workload = [{"kind": "prefill", "prompts": [list(range(3, 20))], "max_tokens": 3}]
     result = run_engine(tmp_path / "run", {"model": models["dsv3"], "pass": True, "workload": workload,
                                            "llm": CPU_MLA}, multiprocessing=True, FUSION_PASS_DUMP=str(dump))
-    reports = [json.loads(p.read_text()) for p in sorted(dump.glob("vllm_report_*.json"))]
+    assert not list(dump.glob("vllm_report_*.json")), "process reports belong in reports/, apart from graph dumps"
+    reports = [json.loads(p.read_text()) for p in sorted((dump / "reports").glob("vllm_report_*.json"))]
     assert reports, "no process wrote a report"
     compiled = [r for r in reports if r["graphs"]]
     assert compiled and all(r["pid"] != result["pid"] for r in compiled), "the pass ran outside vLLM's worker"
@@ -204,11 +274,11 @@ def test_multiprocessing_on_one_liner_pickles_and_reports_per_process(models, tm
     assert "2 candidates, 2 rewritten" in result["log"]
 
 
-@pytest.mark.parametrize("name", ["dsv3", "llama"])
-def test_graphs_vllms_own_fusion_rewrote_are_retargeted_to_the_fused_call(models, tmp_path, name):
+@pytest.mark.parametrize("name", ["dsv3", "qwen2"])
+def test_graphs_vllms_own_fusion_rewrote_are_retargeted_to_the_fused_call(engine_models, tmp_path, name):
     """vLLM's attention+quant fusion (CUDA-only; emulated here, tests_vllm/emulated_vllm_fusion.py) runs
     first; the pass retargets its output to the fused call, which then runs like a fused rewrite."""
-    result = run_engine(tmp_path, spec(name, models, True, pass_name="emulated_vllm_fusion.PASS"))
+    result = run_engine(tmp_path, spec(name, engine_models, True, pass_name="emulated_vllm_fusion.PASS"))
     report = result["report"]
     assert report["emulated"]["rewritten"] == 2  # vLLM's form: its attention op given the quant's buffers
     pattern = ("mla_" if name == "dsv3" else "") + "attention_nvfp4_prequantized"
@@ -217,6 +287,6 @@ def test_graphs_vllms_own_fusion_rewrote_are_retargeted_to_the_fused_call(models
     assert "2 rewritten (2 retargeted)" in result["log"]
     counters = result["counters"]
     assert counters["fused"] > 0 and counters["fallback"].get("decode_tokens", 0) > 0
-    plain = run_engine(tmp_path / "plain", spec(name, models, False))
+    plain = run_engine(tmp_path / "plain", spec(name, engine_models, False))
     check_against_plain_run(result, plain)
     assert check_shadows(result) == counters["fused"]

@@ -1,4 +1,5 @@
-"""Layout proofs over post-grad FX nodes: does a chain of view ops keep the row-major element order?
+"""Layout proofs over post-grad FX nodes: does a chain of view ops keep the row-major element order? And which
+ops read a buffer's bytes as they are (:func:`byte_readers`: from the quant's buffers to the GEMM)?
 
 The fused call writes NVFP4 of the attention output read as a row-major
 ``[T, H*Dv]`` matrix. That equals what the unfused graph quantizes only when
@@ -128,8 +129,59 @@ def step_reason(node: Node) -> str | None:
     return None if _slice_is_whole(node, src) else "quant_reads_slice"
 
 
+def nvfp4_rows_of_width(packed, scales, width: int) -> bool:
+    """Whether NVFP4 buffers (``packed`` codes, swizzled ``scales`` of any one-byte or int32 dtype) hold rows of
+    ``width`` elements: ``width / 2`` bytes of codes and ``round_up(width / 16, 4)`` scale bytes per row."""
+    scale_bytes = (width // 16 + 3) // 4 * 4
+    return (isinstance(packed, torch.Tensor) and isinstance(scales, torch.Tensor) and packed.dim() == scales.dim() == 2
+            and known_equal(packed.shape[1], width // 2) and known_equal(scales.shape[1] * scales.element_size(),
+                                                                         scale_bytes))
+
+
 def reads_token_rows(t, tokens, width: int) -> bool:
     """Whether a quant reading ``t`` (as ``[-1, K]``) quantizes ``tokens`` rows of ``width`` elements."""
     if not isinstance(t, torch.Tensor) or t.dim() < 1:
         return False
     return known_equal(t.shape[-1], width) and known_equal(math.prod(t.shape[:-1]), tokens)
+
+
+# ---------------------------------------------------------------- from the quant's buffers to their readers
+
+# Steps that hand on a row-major buffer's bytes in memory order: another shape or element type of the same
+# bytes (int32 scales viewed as fp8 / uint8, packed codes as float4_e2m1fn_x2, a flattening), or a copy.
+BYTE_PRESERVING = ORDER_PRESERVING | {aten.view.dtype}
+
+
+def zero_pads_rows(node: Node) -> bool:
+    """``constant_pad_nd(x, [0, p], 0)``, ``p >= 0``: every row of ``x`` (its last dim) followed by ``p`` zero
+    elements, nothing else changed. For packed NVFP4 codes: ``p`` zero bytes, ``2p`` zeros appended to each row
+    (vLLM's ``pad_nvfp4_activation_for_cutlass`` for a weight whose K it padded)."""
+    if node.target is not aten.constant_pad_nd.default or len(node.args) < 2:
+        return False
+    pad, fill = list(node.args[1]), node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    return len(pad) == 2 and known_equal(pad[0], 0) and known_at_least(pad[1], 0) and fill == 0
+
+
+def byte_readers(node: Node, zero_padding: bool = False, depth: int = 8) -> list[tuple[Node, Node]]:
+    """``(reader, what it reads)`` for each op reading ``node``'s bytes as they are: through at most ``depth``
+    :data:`BYTE_PRESERVING` steps (and :func:`zero_pads_rows` steps when ``zero_padding``), the first op that
+    is none of them. A step's other arguments are not ``node``'s bytes, so only steps on their first one count."""
+    found = []
+    for user in node.users:
+        step = user.args[:1] == (node,) and (user.target in BYTE_PRESERVING or (zero_padding and zero_pads_rows(user)))
+        if step and depth:
+            found += byte_readers(user, zero_padding, depth - 1)
+        elif not step:
+            found.append((user, node))
+    return found
+
+
+def call_arguments(node: Node, op) -> dict:
+    """``node``'s call of ``op`` by argument name, defaults filled in. A wrapped (auto_functionalized) call
+    passes the op first, then everything by keyword."""
+    schema = getattr(op, "_schema", None)
+    args = {a.name: a.default_value for a in schema.arguments if a.has_default_value()} if schema else {}
+    positional = node.args[1:] if node.args[:1] == (op,) else node.args
+    args.update(zip((a.name for a in schema.arguments), positional) if schema else ())
+    args.update(node.kwargs)
+    return args

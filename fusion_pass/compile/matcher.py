@@ -229,14 +229,33 @@ def attention_shape(attention: Node, width: int) -> AttentionShape | None:
     return AttentionShape(num_heads=heads, v_head_dim=width // heads)
 
 
-def _quant_buffers_reason(quant: Node) -> str | None:
-    """The fused op writes the quant's buffers whole and row-major: they must be exactly that."""
+def _quant_buffers_reason(quant: Node, width: int) -> str | None:
+    """The fused op writes the quant's buffers whole, row-major and ``width`` elements wide: they must be that
+    (vLLM's ``padded_n`` widens them for a weight whose K it padded)."""
     if is_view_of_base(quant, "output") or is_view_of_base(quant, "output_scale"):
         return "quant_buffers_are_views"
-    for arg in ("output", "output_scale"):
-        if not layout.tensor_is_row_major(layout.value(buffer_arg(quant, arg))):
-            return "quant_buffers_not_contiguous"
-    return None
+    packed, scales = (layout.value(buffer_arg(quant, arg)) for arg in ("output", "output_scale"))
+    if not (layout.tensor_is_row_major(packed) and layout.tensor_is_row_major(scales)):
+        return "quant_buffers_not_contiguous"
+    return None if layout.nvfp4_rows_of_width(packed, scales, width) else "quant_buffers_padded"
+
+
+def _gemm_reason(quant: Node, vocab: OpVocabulary) -> str | None:
+    """None when the quant's packed codes and block scales reach a call of a form of ``vocab.nvfp4_gemms`` as its
+    activation and block scale (:func:`layout.byte_readers`: the same bytes; the codes may be zero-padded per
+    row) and no such call is refused by its form; else the reason."""
+    packed, scales = mutated_result(quant, "output"), mutated_result(quant, "output_scale")
+    scale_reads = set(layout.byte_readers(scales)) if scales is not None else set()
+    verdicts = []
+    for reader, via in layout.byte_readers(packed, zero_padding=True) if packed is not None else ():
+        op = wrapped_op(reader)[0] or reader.target
+        args = layout.call_arguments(reader, op)
+        verdicts += [form.refusal(args) for form in vocab.nvfp4_gemms
+                     if op is form.op and args.get(form.activation) is via and form.takes(args)
+                     and (reader, args.get(form.block_scale)) in scale_reads]
+    if not verdicts:
+        return "no_nvfp4_gemm_consumer"
+    return next((v for v in verdicts if v), None)
 
 
 OPTIONAL_OUTPUT_ARGS = ("output_scale", "output_block_scale")
@@ -286,7 +305,8 @@ def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary
 def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary, quant_op) -> Match | str:
     """attention -> views -> quant (``quant_op``) -> GEMM, proven, not assumed: the quant reads the attention
     output's elements in row-major ``[T, H*Dv]`` order (``T`` the query's symbolic token count) through views
-    that keep that order (:mod:`fusion_pass.compile.layout`), and the attention writes its output whole and row-major.
+    that keep that order (:mod:`fusion_pass.compile.layout`), the attention writes its output whole and row-major,
+    and a GEMM of one of the vocabulary's forms reads the quant's buffers as they are (:func:`_gemm_reason`).
     """
     result = mutated_result(attention, "output")
     if result is None:
@@ -302,8 +322,9 @@ def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVoc
         op = wrapped_op(user)[0]
         if op is quant_op:
             break
-        if op in vocab.other_quants:
-            return "quant_is_another_format"
+        other = {**dict.fromkeys(vocab.other_quants, "quant_is_another_format"), **dict(vocab.refused_quants)}
+        if (op or user.target) in other:  # another format, or NVFP4 in a layout the fused op does not write
+            return other[op or user.target]
         if user.target in layout.VIEW_CHAIN_OPS and user.args and user.args[0] is node:
             broken = broken or layout.step_reason(user)
             chain.append(user)
@@ -326,19 +347,16 @@ def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVoc
         return "quant_rows_are_not_tokens"
     if quant.kwargs.get("is_sf_swizzled_layout") is not True:
         return "quant_scales_not_swizzled"
-    reason = _quant_buffers_reason(quant)
-    if reason:
-        return reason
-    quant_out = mutated_result(quant, "output")
-    if quant_out is None or not any(u.target is vocab.nvfp4_gemm for u in quant_out.users):
-        return "no_nvfp4_gemm_consumer"
+    return _quant_buffers_reason(quant, width) or _gemm_reason(quant, vocab) or _match(pattern, attention, width,
+                                                                                       quant, chain)
+
+
+def _match(pattern: AttentionQuantPattern, attention: Node, width: int, quant=None, chain=()) -> Match | str:
+    """The :class:`Match`, once the pattern's ``extra_check`` accepts the attention's shape."""
     shape = attention_shape(attention, width)
     if shape is None:
         return "unknown_attention_shape"
-    reason = pattern.extra_check(shape)
-    if reason:
-        return reason
-    return Match(pattern, attention, quant, chain, wrapped_op(attention)[1])
+    return pattern.extra_check(shape) or Match(pattern, attention, quant, list(chain), wrapped_op(attention)[1])
 
 
 def _schema_signature(op) -> list[tuple]:
@@ -365,13 +383,7 @@ def _examine_quantized(attention: Node, pattern: AttentionQuantPattern, vocab: O
     if is_view_of_base(attention, "output_block_scale") or not layout.tensor_is_row_major(
             layout.value(buffer_arg(attention, "output_block_scale"))):
         return "quant_buffers_not_contiguous"
-    shape = attention_shape(attention, 2 * packed)
-    if shape is None:
-        return "unknown_attention_shape"
-    reason = pattern.extra_check(shape)
-    if reason:
-        return reason
-    return Match(pattern, attention, None, [], wrapped_op(attention)[1])
+    return _match(pattern, attention, 2 * packed)
 
 
 # ---------------------------------------------------------------- rewriting
@@ -384,17 +396,19 @@ def traced_replacement(pattern: AttentionQuantPattern, vocab: OpVocabulary, form
     The trace sets Inductor's functionalization flag only while tracing this
     private template; the user's compile settings are never touched.
     """
-    fn = functools.partial(pattern.replacement, vocab, layer_name=_LAYER_NAME_SLOT)
-    with torch._inductor.config.patch(enable_auto_functionalized_v2=form == "v2"):
-        return make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*pattern.example_inputs())
+    return _trace(pattern.replacement, pattern, vocab, form)
 
 
 @functools.lru_cache(maxsize=None)
 def traced_pattern(pattern: AttentionQuantPattern, vocab: OpVocabulary, form: str) -> torch.fx.GraphModule:
     """The pattern itself, traced the same way (used to derive anchors and in docs/tests)."""
-    fn = functools.partial(pattern.pattern, vocab, layer_name=_LAYER_NAME_SLOT)
+    return _trace(pattern.pattern, pattern, vocab, form)
+
+
+def _trace(fn, pattern: AttentionQuantPattern, vocab: OpVocabulary, form: str) -> torch.fx.GraphModule:
     with torch._inductor.config.patch(enable_auto_functionalized_v2=form == "v2"):
-        return make_fx(dispatch_functionalize(fn), tracing_mode="fake")(*pattern.example_inputs())
+        return make_fx(dispatch_functionalize(functools.partial(fn, vocab, layer_name=_LAYER_NAME_SLOT)),
+                       tracing_mode="fake")(*pattern.example_inputs())
 
 
 def anchor_ops(pattern: AttentionQuantPattern, vocab: OpVocabulary) -> tuple:

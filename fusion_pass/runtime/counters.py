@@ -7,17 +7,20 @@ pass their ``layer_name`` down to :func:`record`. Layer names are global to the 
 once a layer is unregistered: registering a layer under a name starts that name's counts afresh
 (:func:`forget_layer`), so a name's counts are those of the layer registered under it now (or last). The first
 fallback of each reason is logged at INFO on the ``"fusion_pass"`` logger, so a fallback is never silent.
+
+Listeners (:func:`add_listener`) are called after every change of the counters, outside their lock, in the
+thread that recorded: they must be cheap (the vLLM integration's report file only wakes its writer thread).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from fusion_pass.runtime.guard import Decision
 
-__all__ = ["counters", "forget_layer", "record", "reset_counters"]
+__all__ = ["add_listener", "counters", "forget_layer", "record", "remove_listener", "reset_counters"]
 
 logger = logging.getLogger("fusion_pass")
 
@@ -49,6 +52,7 @@ _lock = threading.Lock()
 _total = _Counts()
 _by_layer: dict[str, _Counts] = {}
 _logged_reasons: set[str] = set()
+_listeners: list[Callable[[], None]] = []
 
 def record(decision: Decision, layer_name: str | None = None) -> None:
     """Count ``decision`` in the process total and, given ``layer_name``, under that layer; log the first
@@ -66,6 +70,8 @@ def record(decision: Decision, layer_name: str | None = None) -> None:
         if not decision.fused and decision.reason not in _logged_reasons:
             _logged_reasons.add(decision.reason)
             log = True
+        listeners = tuple(_listeners)
+    _notify(listeners)
     if log:
         logger.info(
             "fusion_pass: fused attention+NVFP4 quant fell back to the unfused path (reason: %s; %s); "
@@ -73,6 +79,37 @@ def record(decision: Decision, layer_name: str | None = None) -> None:
             decision.reason,
             decision.detail or "no detail",
         )
+
+
+def add_listener(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` (no arguments) after every change of the counters (:func:`record`,
+    :func:`reset_counters`), outside the counters' lock. A listener that raises is removed, with a warning
+    naming it and the exception. Adding the same listener twice adds it once."""
+    if not callable(listener):
+        raise ValueError(f"add_listener: listener must be callable, got {type(listener).__name__} {listener!r}")
+    with _lock:
+        if listener not in _listeners:
+            _listeners.append(listener)
+
+
+def remove_listener(listener: Callable[[], None]) -> None:
+    """Stop calling ``listener``; raises ``ValueError`` naming it when it was not added."""
+    with _lock:
+        if listener not in _listeners:
+            raise ValueError(f"remove_listener: listener {listener!r} was not added (add_listener)")
+        _listeners.remove(listener)
+
+
+def _notify(listeners) -> None:
+    for listener in listeners:
+        try:
+            listener()
+        except Exception as exc:
+            with _lock:
+                if listener in _listeners:
+                    _listeners.remove(listener)
+            logger.warning("fusion_pass: counters listener %r raised %s: %s; it is removed and no longer called",
+                           listener, type(exc).__name__, exc)
 
 
 def _layer_names(layers) -> list[str]:
@@ -130,3 +167,5 @@ def reset_counters() -> None:
         _total = _Counts()
         _by_layer.clear()
         _logged_reasons.clear()
+        listeners = tuple(_listeners)
+    _notify(listeners)

@@ -89,11 +89,16 @@ def _rows(spec: Any, requests: list, device) -> Tensor:
 
 
 def _cu(lengths: list[int], device, first: int = 0) -> Tensor:
+    """Offsets ``[first, first + l0, ...]`` int32 on ``device``; to a CUDA device through pinned memory, without
+    blocking the host (a pageable host-to-device copy would synchronize)."""
     out, total = [first], first
     for n in lengths:
         total += n
         out.append(total)
-    return torch.tensor(out, dtype=torch.int32, device=device)
+    offsets = torch.tensor(out, dtype=torch.int32)
+    if torch.device(device).type != "cuda":
+        return offsets.to(device)
+    return offsets.pin_memory().to(device, non_blocking=True)
 
 
 def _interleave(context: Tensor, new: Tensor, context_lens: list[int], query_lens: list[int]) -> Tensor:

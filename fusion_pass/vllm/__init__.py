@@ -2,16 +2,25 @@
 
 * :class:`FusionPassForVllm` — the pass as a vLLM ``InductorPass`` (picklable, deep-copyable,
   building its :class:`~fusion_pass.FusionPass` lazily over :func:`fusion_pass.vllm.vocabulary.vllm_vocabulary`);
-  registered in one line through the top-level module ``fusion_pass_vllm`` (``"fusion_pass_vllm.PASS"``);
+* :data:`PASS` — the one instance vLLM's pass names refer to: ``"fusion_pass_vllm.PASS"`` (the top-level module
+  ``fusion_pass_vllm``) and ``"fusion_pass.vllm.PASS"``. vLLM resolves a name ``a.b.PASS`` as
+  ``__import__("a.b").__dict__["PASS"]``, and ``__import__`` returns the top-level package, so importing this
+  package also sets ``fusion_pass.PASS`` (the same object, :mod:`.registration`; ``import fusion_pass`` alone
+  imports no vLLM and has no ``PASS``);
 * :mod:`.attention_op` — ``fusion_pass::vllm_attention_nvfp4`` / ``vllm_mla_attention_nvfp4``, the ops the
-  rewritten graph calls; :mod:`.guard` reads vLLM's forward context into the shared guard core;
-  :mod:`.fused_rows` writes the fused rows (MLA: with the decode rows by vLLM's own forward);
+  rewritten graph calls; :mod:`.guard` reads vLLM's forward context into the shared guard core, with a step's
+  rows from host-side metadata only (:mod:`.host_rows`); :mod:`.fused_rows` writes the fused rows (MLA, and
+  standard layers through :mod:`.fused_standard`: decode rows by vLLM's own backend on a sub-batch), with
+  :mod:`.nvfp4_rows`; :mod:`.adapters` holds one adapter per vLLM attention backend
+  (:mod:`.cpu_attn_adapter`; :mod:`.flash_attn_adapter`, not run on CUDA);
 * :mod:`.vocabulary` — vLLM's ops for the pattern table's roles;
+* :mod:`.report_file` — the per-process report file under ``FUSION_PASS_DUMP`` (kept current while serving);
 * :mod:`.plugin` — the ``vllm.general_plugins`` entry point.
 
 This module only hands names on.
 """
 
 from fusion_pass.vllm.inductor_pass import SUPPORTED_VLLM_VERSIONS, FusionPassForVllm
+from fusion_pass.vllm.registration import PASS
 
-__all__ = ["FusionPassForVllm", "SUPPORTED_VLLM_VERSIONS"]
+__all__ = ["PASS", "FusionPassForVllm", "SUPPORTED_VLLM_VERSIONS"]

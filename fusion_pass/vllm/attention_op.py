@@ -8,39 +8,14 @@ pass only retargets the call. ``output`` is the quant's packed uint8 ``[T, H*Dv/
 
 Per call, the guard (:func:`fusion_pass.vllm.guard.decide`) reads the layer, its attention metadata, its KV
 cache and settings from vLLM's forward context (``get_attention_context``) and decides row by row with the
-shared core, :func:`fusion_pass.runtime.guard.decide`. The exact fallback (every row),
-counted with its reason, is taken when (checked in this order):
-
-* there is no metadata (vLLM's profile / dummy runs): ``no_attention_metadata``;
-* DCP world size > 1: ``dcp_world_size>1``;
-* the batch has no prefill row (decode only): ``decode_tokens``;
-* the layer uses something the fused kernels do not compute (sliding window, ALiBi, logit soft-cap,
-  attention sinks, a quantized KV cache, KV sharing, non-causal or encoder attention; MLA: sparse MLA,
-  a HiSparse cache, prefill context parallelism, a ``kv_b_proj`` whose weight vLLM's AMX MLA backend
-  released): ``layer_not_supported``;
-* the batch has decode tokens beside its prefills: standard (non-MLA) layers always (vLLM's standard
-  backends compute decode and prefill rows in one kernel call with backend-specific metadata: computing
-  some rows apart would need per-backend sub-metadata); MLA when the installed vLLM's
-  ``MLAAttention.forward_impl`` does not have the structure the decode rows rely on
-  (:data:`fusion_pass.vllm.guard.FORWARD_IMPL_STRUCTURE`): ``decode_tokens``;
-* a prefill has cached context (chunked prefill, a prefix-cache hit): standard layers always; MLA when the
-  KV cache is not the unquantized latent cache ``[num_blocks, block_size, kv_lora_rank + rope]``:
-  ``chunked_prefill``;
-* no fused backend supports the layer on this device: ``no_backend``;
-* MLA with cached context, when the backend does not run prefills with context: ``chunked_prefill``.
-
-Otherwise the fused path runs (path ``"fused"``: every prefill row is written by the fused backend
-:func:`fusion_pass.runtime.backends.select_backend` picks):
-
-* standard layers (pure-prefill batches): causal varlen attention of the ``num_actual_tokens`` rows;
-* MLA (vLLM orders a batch's ``D = num_decode_tokens`` decode rows first, then the prefills): the
-  prefill rows ``[D, num_actual_tokens)`` through :func:`fusion_pass.runtime.row_plan.run_prefills`, keys and
-  values expanded from ``kv_c_normed`` through the layer's ``kv_b_proj`` with ``k_pe`` broadcast to
-  every head, as vLLM's MLA prefill does; prefills with cached context also attend to their context,
-  read from the paged latent cache (the prefills' block table and context lengths) and expanded the
-  same way. Then the decode rows, computed as vLLM computes them (``forward_impl`` on rows ``[0, D)``)
-  and quantized with the unfused graph's quant op into their rows of the buffers (counted under
-  ``decode_tokens`` in ``post_quantized``): byte-equal to the unfused graph by construction.
+shared core, :func:`fusion_pass.runtime.guard.decide`, from host-side values only (no device read: the decision
+and the fallback can be captured in a CUDA graph). ``docs/vllm.md`` ("What runs, per call") lists what is fused and
+every reason for the exact fallback. Fused (path ``"fused"``): every prefill row is written by the fused backend
+:func:`fusion_pass.runtime.backends.select_backend` picks (:func:`fusion_pass.vllm.fused_rows.run_fused`); decode
+rows beside them are computed by vLLM (MLA: its ``forward_impl`` on rows ``[0, D)``; standard layers: the
+backend's adapter on the decode requests alone, :mod:`fusion_pass.vllm.adapters`) and quantized by the unfused
+graph's quant op into their rows (counted under ``decode_tokens`` in ``post_quantized``): byte-equal to the
+unfused graph.
 
 Rows past ``num_actual_tokens`` (vLLM's padding) are zeroed. The new tokens reach the KV cache through
 vLLM's own cache-update op, which the graph keeps (``kv_cache_dummy_dep``). The fused path runs inside
@@ -55,11 +30,13 @@ same quant op the unfused graph calls (``_C::scaled_fp4_quant.out`` where vLLM h
 
 import functools
 import logging
+import os
 
 import torch
 
 from fusion_pass.runtime import counters, settings
-from fusion_pass.vllm.fused_rows import quant_op, run_fused
+from fusion_pass.vllm import fused_rows
+from fusion_pass.vllm.adapters import install_host_hooks
 from fusion_pass.vllm.guard import decide, layer_name_of
 
 __all__ = ["register"]
@@ -68,13 +45,40 @@ logger = logging.getLogger("vllm.fusion_pass")
 
 # (no ``from __future__ import annotations`` here: the op signatures are read by infer_schema)
 _lib = None  # the torch.library.Library holding the ops (their lifetime is the library's)
+run_fused = fused_rows.run_fused  # module attributes, so that tests and benchmarks can wrap them
+quant_op = fused_rows.quant_op
+
+_ENVIRONMENT = (settings.BACKEND_ENV, settings.CONTEXT_WORKSPACE_ENV, settings.SELF_CHECK_ENV)
+_checked_environment = None
+# os.environ's own dict (encoded keys): three lookups in it cost a fraction of three os.environ.get
+_environ_data = getattr(os.environ, "_data", None)
+_environ_keys = tuple(os.environ.encodekey(name) for name in _ENVIRONMENT) if _environ_data is not None else None
+
+
+def _check_environment() -> None:
+    """:func:`fusion_pass.runtime.settings.check_environment` whenever the variables differ from the last values
+    checked (a bad value raises on every call, as the runtime's ops do; a good one is parsed once)."""
+    global _checked_environment
+    if _environ_data is not None:
+        a, b, c = _environ_keys
+        raw = (_environ_data.get(a), _environ_data.get(b), _environ_data.get(c))
+    else:
+        raw = tuple(os.environ.get(name) for name in _ENVIRONMENT)
+    if raw != _checked_environment:
+        settings.check_environment()
+        _checked_environment = raw
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_module():
+    from vllm.model_executor.layers.attention import attention
+
+    return attention
 
 
 def _context(layer_name):
     """``(attention metadata, layer, KV cache)`` of ``layer_name`` from vLLM's forward context."""
-    from vllm.model_executor.layers.attention.attention import get_attention_context
-
-    return get_attention_context(layer_name_of(layer_name))[:3]
+    return _attention_module().get_attention_context(layer_name)[:3]
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,34 +95,58 @@ def _with_kv_transfer():
 
 
 def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads) -> None:
-    settings.check_environment()
-    md, layer, kv_cache = _context(layer_name)
-    decision = decide(layer_name, inputs[0], md, layer, kv_cache)
+    _check_environment()
+    name = layer_name_of(layer_name)
+    md, layer, kv_cache = _context(name)
+    decision = decide(name, inputs[0], md, layer, kv_cache)
     if decision.fused:  # the exact fallback calls vLLM's op, which runs the KV-connector hooks itself
-        _with_kv_transfer()(layer_name, lambda: run_fused(decision.backend, md, layer, kv_cache, inputs, output,
-                                                           output_scale, output_block_scale))
+        _with_kv_transfer()(name, lambda: run_fused(decision.backend, md, layer, kv_cache, inputs, output,
+                                                     output_scale, output_block_scale))
     else:
-        _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads)
-    counters.record(decision, layer_name=layer_name_of(layer_name))
-    key = decision.reason or f"fused:{decision.backend}"
+        _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, md)
+    counters.record(decision, layer_name=name)
+    key = decision.reason or decision.backend
     if key not in _logged:  # vLLM shows its own loggers; each path is named once per process
         _logged.add(key)
         what = f"fused with backend {decision.backend}" if decision.fused else f"fell back ({decision.reason})"
         logger.info("fusion_pass: %s: attention + NVFP4 quant %s: %s; further calls are only counted",
-                    layer_name_of(layer_name), what, decision.detail or "no detail")
+                    name, what, decision.detail or "no detail")
 
 
-def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads) -> None:
+_STEP_BUFFER = "_fusion_pass_unfused_buffer"
+
+
+def _buffer(md, tokens: int, width: int, heads, dtype, device):
+    """``(tmp [T, H*Dv], the view vLLM's op writes)`` of the query dtype: one per step, kept on vLLM's metadata
+    object and reused by every layer of the step (their calls run one after the other on one stream, each
+    quantizing the buffer before the next writes it); without metadata, or while a CUDA graph is captured (its
+    temporaries stay the capture's), a fresh one."""
+    if md is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        md = None
+    key = (tokens, width, heads, dtype, device)
+    kept = getattr(md, _STEP_BUFFER, None) if md is not None else None
+    if kept is not None and kept[0] == key:
+        return kept[1], kept[2]
+    tmp = torch.empty(tokens, width, dtype=dtype, device=device)
+    target = tmp if heads is None else tmp.view(tokens, heads, width // heads)
+    if md is not None:
+        try:
+            setattr(md, _STEP_BUFFER, (key, tmp, target))
+        except AttributeError:  # slotted or frozen metadata
+            pass
+    return tmp, target
+
+
+def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, md=None) -> None:
     """vLLM's attention into a temporary of the query dtype, then the unfused graph's quant op."""
     q = inputs[0]
     tokens = output.shape[0]
-    width = output.numel() // tokens * 2
-    tmp = torch.empty(tokens, width, dtype=q.dtype, device=q.device)
-    target = tmp if heads is None else tmp.view(tokens, heads, width // heads)
+    tmp, target = _buffer(md, tokens, output.numel() // tokens * 2, heads, q.dtype, q.device)
     vllm_op(*inputs, target, layer_name, **rest)
     # the attention op's output_scale is the global scale (the quant's input_scale); its output_block_scale is
     # the quant's output_scale (the block scales)
-    quant_op()(tmp, output_scale, True, output=output.view(tokens, -1), output_scale=output_block_scale)
+    quant_op()(tmp, output_scale, True, output=output if output.dim() == 2 else output.view(tokens, -1),
+               output_scale=output_block_scale)
 
 
 _logged: set = set()
@@ -132,6 +160,8 @@ def register() -> None:
     from vllm.utils.torch_utils import LayerNameType, direct_register_custom_op
 
     import fusion_pass.ops  # noqa: F401  (the fusion_pass library and its quant op)
+
+    install_host_hooks()  # standard backends' metadata keeps its batch's host copies (fusion_pass.vllm.host_rows)
 
     def vllm_attention_nvfp4(
         query: torch.Tensor,

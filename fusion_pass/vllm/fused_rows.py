@@ -1,5 +1,6 @@
-"""The fused rows of a vLLM call: standard layers' pure-prefill batches, and MLA calls with prefill rows (their
-decode rows computed by vLLM's own ``forward_impl`` and quantized by the unfused graph's quant op).
+"""The fused rows of a vLLM call: :func:`run_fused` takes a call the guard fused to the standard layers' path
+(:func:`fusion_pass.vllm.fused_standard.run_fused_standard`) or to MLA's (here: decode rows computed by vLLM's own
+``forward_impl`` and quantized by the unfused graph's quant op).
 
 MLA: vLLM orders a batch's ``D = num_decode_tokens`` decode rows first, then the prefills. The prefill rows
 ``[D, num_actual_tokens)`` go through :func:`fusion_pass.runtime.row_plan.run_prefills`, keys and values
@@ -11,60 +12,24 @@ MLA prefill does; prefills with cached context also attend to their context, rea
 
 import torch
 
-from fusion_pass import nvfp4
 from fusion_pass.runtime import backends, row_plan
-from fusion_pass.vllm.guard import is_mla, mla_batch
+from fusion_pass.vllm.fused_standard import run_fused_standard
+from fusion_pass.vllm.guard import is_mla, step_rows
+from fusion_pass.vllm.host_rows import device_index, mla_rows
+from fusion_pass.vllm.nvfp4_rows import nvfp4_rows, quant_op, write_rows, zero_padding
 
 __all__ = ["quant_op", "run_fused"]
 
 
-def quant_op():
-    """The quant op the unfused graph calls (the one :func:`fusion_pass.vllm.vocabulary.vllm_vocabulary` matches)."""
-    c = getattr(torch.ops, "_C", None)
-    if c is not None and hasattr(c, "scaled_fp4_quant") and hasattr(c, "cutlass_scaled_fp4_mm"):
-        return c.scaled_fp4_quant.out
-    return torch.ops.fusion_pass.scaled_fp4_quant.out
-
-
-def _prefill_inputs(layer, md, inputs):
-    """``(q, k, v, cu_seqlens, max_seqlen, softmax_scale)`` of a standard layer's pure-prefill batch's
-    ``num_actual_tokens`` rows: dense ``[n, H, D]`` / ``[n, Hk, D]`` / ``[n, Hk, D]`` in the query dtype."""
-    n = md.num_actual_tokens
-    q, k, v = (t[:n] for t in inputs)
-    heads, kv_heads, d = layer.num_heads, layer.num_kv_heads, layer.head_size
-    q, k, v = q.reshape(n, heads, d), k.reshape(n, kv_heads, d), v.reshape(n, kv_heads, d)
-    return q, k, v, md.query_start_loc, md.max_query_len, layer.impl.scale
-
-
-def _nvfp4_rows(output, output_block_scale, n: int):
-    """``(packed uint8 [T, H*Dv/2], every scale byte (flat), the scale bytes of n rows [round_up(n, 128), cols])``."""
-    tokens = output.shape[0]
-    packed = output.view(tokens, -1)
-    rows, cols = nvfp4.scale_shape(n, packed.shape[1] * 2)
-    scale_bytes = output_block_scale.view(torch.uint8).view(-1)
-    return packed, scale_bytes, scale_bytes[: rows * cols].view(rows, cols)
-
-
-def _zero_padding(packed, scale_bytes, n: int) -> None:
-    """Zero rows past ``n`` (vLLM pads batches for CUDA graphs) and the scale tiles past ``n``'s."""
-    rows, cols = nvfp4.scale_shape(n, packed.shape[1] * 2)
-    packed[n:].zero_()
-    scale_bytes[rows * cols:].zero_()
-
-
 def run_fused(backend_name: str, md, layer, kv_cache, inputs, output, output_scale, output_block_scale) -> None:
-    """The fused backend on the batch's prefill rows (MLA: :func:`_run_fused_mla`); padding rows zeroed."""
+    """The fused backend on the call's prefill rows, the other rows as the unfused graph writes them, rows past the
+    batch's zeroed (MLA: :func:`_run_fused_mla`; standard layers: :func:`run_fused_standard`)."""
+    backend = backends.get_backend(backend_name)
     if is_mla(layer):
-        _run_fused_mla(backends.get_backend(backend_name), md, layer, kv_cache, inputs, output, output_scale,
-                       output_block_scale)
-        return
-    q, k, v, cu_seqlens, max_seqlen, softmax_scale = _prefill_inputs(layer, md, inputs)
-    n = q.shape[0]
-    packed, scale_bytes, scales = _nvfp4_rows(output, output_block_scale, n)
-    backends.get_backend(backend_name).run_varlen(
-        q, k, v, cu_seqlens.to(torch.int32), int(max_seqlen), float(softmax_scale),
-        packed[:n], output_scale, scales)
-    _zero_padding(packed, scale_bytes, n)
+        _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale)
+    else:
+        run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
+                           step_rows(md, layer))
 
 
 def _cached_latents(block_table, kv_cache, context_lens: list[int], lo: int, hi: int):
@@ -74,17 +39,18 @@ def _cached_latents(block_table, kv_cache, context_lens: list[int], lo: int, hi:
 
     ``block_table``: int ``[num_prefills, max_blocks]`` (``MLACommonPrefillMetadata.block_table``, the
     prefills' rows); ``kv_cache``: ``[num_blocks, block_size, L + R]``, position ``p`` of request ``i`` at
-    ``kv_cache[block_table[i, p // block_size], p % block_size]`` (as vLLM's context gathers read it).
+    ``kv_cache[block_table[i, p // block_size], p % block_size]`` (as vLLM's context gathers read it). The
+    indices are computed on the host and moved without synchronization.
     """
-    device = kv_cache.device
-    lens = torch.tensor(context_lens, dtype=torch.long, device=device)
+    lens = torch.tensor(context_lens, dtype=torch.long)
     ends = torch.cumsum(lens, 0)
-    rows = torch.arange(lo, hi, device=device)
+    rows = torch.arange(lo, hi)
     request = torch.searchsorted(ends, rows, right=True)
     position = rows - (ends - lens)[request]
     block_size = kv_cache.shape[1]
-    blocks = block_table.to(device)[request, position // block_size].long()
-    return kv_cache[blocks, position % block_size]
+    table = block_table.device
+    blocks = block_table[device_index(request, table), device_index(position // block_size, table)].long()
+    return kv_cache[blocks.to(kv_cache.device), device_index(position % block_size, kv_cache.device)]
 
 
 def _expand(layer, latent, pe):
@@ -128,16 +94,17 @@ def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, o
     last 128-row tile, which decode rows may share), then the decode rows ``[0, D)``
     (:func:`_run_decode_rows`); rows past ``n`` zeroed."""
     n = int(md.num_actual_tokens)
-    decode, query_lens, context_lens = mla_batch(md)
+    batch = mla_rows(md).rows
+    decode, query_lens, context_lens = batch.decode_tokens, list(batch.query_lens), list(batch.context_lens)
     q, kv_c_normed, k_pe = (t[:n] for t in inputs)
-    packed, scale_bytes, scales = _nvfp4_rows(output, output_block_scale, n)
+    packed, scale_bytes, scales = nvfp4_rows(output, output_block_scale, n)
     k, v, context = _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, decode, context_lens)
     row_plan.run_prefills(backend, q, k, v, first_row=decode, query_lens=query_lens, context_lens=context_lens,
                           context=context, softmax_scale=float(layer.scale),
                           output=packed[:n], output_scale=output_scale, output_block_scale=scales)
     if decode:
         _run_decode_rows(layer, md, kv_cache, inputs, decode, output_scale, packed, scale_bytes, output_block_scale)
-    _zero_padding(packed, scale_bytes, n)
+    zero_padding(packed, scale_bytes, n)
 
 
 def _run_decode_rows(layer, md, kv_cache, inputs, decode: int, output_scale, packed, scale_bytes,
@@ -145,20 +112,11 @@ def _run_decode_rows(layer, md, kv_cache, inputs, decode: int, output_scale, pac
     """Rows ``[0, D)`` of an MLA call exactly as the unfused graph writes them.
 
     vLLM's ``forward_impl`` on the decode rows only (its MQA part; :data:`FORWARD_IMPL_STRUCTURE`) into a
-    ``[D, H*Dv]`` temporary of the query dtype, the unfused graph's quant op (:func:`quant_op`) into
-    ``[D, H*Dv/2]`` / swizzled ``D``-row temporaries, whose bytes are copied into rows ``[0, D)`` of
-    ``packed`` and of the swizzled scales: a scale's offset depends on its row and block column only
-    (:func:`fusion_pass.nvfp4.swizzled_offset`), and no byte of another row of a shared 128-row tile is
-    written. Quantization is per row, so the bytes equal the unfused graph's rows ``[0, D)``.
+    ``[D, H*Dv]`` temporary of the query dtype, quantized by the unfused graph's quant op and copied into rows
+    ``[0, D)`` (:func:`fusion_pass.vllm.nvfp4_rows.write_rows`: no byte of another row of a shared 128-row tile is
+    written). Quantization is per row, so the bytes equal the unfused graph's rows ``[0, D)``.
     """
     q, kv_c_normed, k_pe = (t[:decode] for t in inputs)
-    width = packed.shape[1] * 2
-    tmp = torch.empty(decode, width, dtype=q.dtype, device=q.device)
+    tmp = torch.empty(decode, packed.shape[1] * 2, dtype=q.dtype, device=q.device)
     layer.forward_impl(q, kv_c_normed, k_pe, kv_cache, md, output=tmp)
-    rows, cols = nvfp4.scale_shape(decode, width)
-    rows_packed = torch.empty(decode, width // 2, dtype=torch.uint8, device=q.device)
-    rows_scales = torch.empty(rows, cols, dtype=torch.uint8, device=q.device).view(output_block_scale.dtype)
-    quant_op()(tmp, output_scale, True, output=rows_packed, output_scale=rows_scales)
-    packed[:decode].copy_(rows_packed)
-    offsets = nvfp4.row_scale_offsets(0, decode, width // nvfp4.BLOCK_SIZE, q.device)
-    scale_bytes[offsets] = rows_scales.view(torch.uint8).view(-1)[offsets]
+    write_rows(tmp, output_scale, packed, scale_bytes, slice(0, decode), output_block_scale.dtype)

@@ -1,12 +1,22 @@
 """The run-time guard of the vLLM ops: vLLM's attention metadata and layer read into the shared guard core
 (:func:`fusion_pass.runtime.guard.decide`), so a vLLM call and a call of the project's own runtime are decided
-by the same rules with the same reasons.
+by the same rules with the same reasons. A standard layer and an MLA layer differ in how their rows are read
+and computed (:mod:`fusion_pass.vllm.host_rows`, :mod:`fusion_pass.vllm.adapters`), not in how they are decided.
 
-What vLLM adds to the core's checks: no metadata (vLLM's profile and dummy runs, ``no_attention_metadata``),
-what the layer computes beyond plain causal attention (``layer_not_supported``), and what the adapter cannot
-compute apart: decode rows of standard layers and, for MLA, when vLLM's ``forward_impl`` lacks the decode/prefill
-split the decode rows rely on (``decode_tokens``); cached context of standard layers, and of MLA layers whose KV
-cache is not the unquantized latent cache (``chunked_prefill``).
+Capture-safe and cheap: the decision reads host-side values only (vLLM's host copies of the batch, the ints the
+metadata holds; :mod:`fusion_pass.vllm.host_rows`), never a device tensor: no synchronization, nothing a CUDA
+graph capture refuses. What does not change between calls is read once: per layer (:func:`layer_info`: MLA or
+not, dims, what the layer computes beyond causal attention, its backend adapter), per step (the rows, kept on
+vLLM's metadata object), per process (the DCP world size). A call being captured into a CUDA graph takes the
+exact fallback, which needs no decision: a graph replays for batches the capture never saw
+(``cuda_graph_capture``; a decode-only batch keeps ``decode_tokens``).
+
+What vLLM adds to the core's checks: no metadata (vLLM's profile and dummy runs, ``no_attention_metadata``), no
+host copy of the batch (``no_host_metadata``), capture (``cuda_graph_capture``), what the layer computes beyond
+plain causal attention (``layer_not_supported``), a standard layer's backend without an adapter
+(``no_decode_adapter:<BACKEND>``), and what an adapter cannot compute apart: decode rows (``decode_tokens``: an
+MLA ``forward_impl`` without the decode/prefill split, a standard backend's metadata the adapter cannot cut to
+its decode requests) and cached context (``chunked_prefill``: a cache the adapter cannot read).
 """
 
 import dataclasses
@@ -15,10 +25,12 @@ import inspect
 
 import torch
 
-from fusion_pass.runtime import guard
+from fusion_pass.runtime import guard, settings
+from fusion_pass.vllm import adapters
+from fusion_pass.vllm.host_rows import decode_only_tokens, mla_rows, standard_rows
 
-__all__ = ["FORWARD_IMPL_STRUCTURE", "NO_METADATA", "batch_kind", "batch_rows", "decide", "dims", "is_mla",
-           "layer_name_of", "mla_batch", "standard_batch"]
+__all__ = ["FORWARD_IMPL_STRUCTURE", "NO_METADATA", "decide", "dims", "is_mla", "layer_info", "layer_name_of",
+           "step_rows"]
 
 NO_METADATA = "no_attention_metadata"
 
@@ -41,13 +53,21 @@ def layer_name_of(layer_name):
     return getattr(layer_name, "value", layer_name)
 
 
-def dcp_world_size() -> int:
-    try:
-        from vllm.distributed.parallel_state import get_dcp_group
+_dcp = None
 
-        return get_dcp_group().world_size
-    except Exception:  # not initialised (single process without DCP)
-        return 1
+
+def dcp_world_size() -> int:
+    """vLLM's decode-context-parallel world size, read once per process (vLLM initialises its groups before any
+    forward with metadata; a process without them, e.g. a test, has no DCP: 1)."""
+    global _dcp
+    if _dcp is None:
+        try:
+            from vllm.distributed.parallel_state import get_dcp_group
+
+            _dcp = get_dcp_group().world_size
+        except Exception:  # not initialised: a single process without DCP
+            _dcp = 1
+    return _dcp
 
 
 def is_mla(layer) -> bool:
@@ -73,7 +93,7 @@ def quantized_kv_cache(kv_dtype) -> bool:
     return bool(is_quantized_kv_cache(kv_dtype))
 
 
-def unsupported_reason(layer, md) -> str | None:
+def unsupported_reason(layer) -> str | None:
     """What the layer computes that the fused kernels (plain causal softmax attention) do not, or None."""
     impl = getattr(layer, "impl", None)
     kv_dtype = getattr(layer, "kv_cache_dtype", "auto")
@@ -99,7 +119,7 @@ def unsupported_reason(layer, md) -> str | None:
             return "kv_b_proj's weight released by vLLM's MLA backend (AMX MLA)"
         return None
     attn_type = str(getattr(layer, "attn_type", "decoder"))
-    if "decoder" not in attn_type.lower() or not getattr(md, "causal", True):
+    if "decoder" not in attn_type.lower():
         return f"attention type {attn_type} (the fused kernels are causal decoder attention)"
     if getattr(layer, "kv_sharing_target_layer_name", None):
         return "KV sharing with another layer"
@@ -138,90 +158,131 @@ def latent_cache_unreadable(layer, kv_cache) -> str | None:
     return None
 
 
-def mla_batch(md) -> tuple[int, list[int], list[int]]:
-    """``(D, query_lens, context_lens)`` of vLLM's MLA metadata (``MLACommonMetadata``), host ints: the
-    decode tokens (rows ``[0, D)``), then per prefill request (rows from ``D`` on, in order) its new
-    tokens and its cached context tokens (``prefill.chunked_context.context_lens_list``; 0 without)."""
-    decode = int(md.num_decode_tokens)
-    prefill = getattr(md, "prefill", None)  # absent from some platforms' sparse MLA metadata
-    if prefill is None or not getattr(md, "num_prefills", 0):
-        return decode, [], []
-    lens = getattr(prefill, "query_lens_cpu", None)
-    if lens is None:  # vLLM's builder sets it; otherwise from the (device) offsets
-        loc = prefill.query_start_loc[: md.num_prefills + 1].to("cpu")
-        lens = loc[1:] - loc[:-1]
-    query_lens = [int(x) for x in lens.tolist()]
-    chunked = prefill.chunked_context
-    context_lens = [int(c) for c in chunked.context_lens_list] if chunked is not None else [0] * len(query_lens)
-    return decode, query_lens, context_lens
+class LayerInfo:
+    """What the guard reads of a layer once: MLA or not, its head dims, what it computes beyond plain causal
+    attention (``unsupported``, prefixed with its name), and for a standard layer its backend and adapter."""
+
+    __slots__ = ("mla", "dims", "kv_heads", "unsupported", "adapter", "backend", "shapes", "key")
+
+    def __init__(self, layer):
+        self.mla = is_mla(layer)
+        self.dims = dims(layer)
+        self.kv_heads = None if self.mla else getattr(layer, "num_kv_heads", None)
+        why = unsupported_reason(layer)
+        self.unsupported = f"{getattr(layer, 'layer_name', type(layer).__name__)}: {why}" if why else None
+        self.adapter, self.backend = (None, None) if self.mla else adapters.adapter_for(layer)
+        self.shapes: dict = {}
+        # layers with equal keys (and the same metadata, device, dtype, cache shape) get equal decisions;
+        # an MLA layer's decode rows also depend on its class's forward_impl
+        self.key = (self.mla, self.dims, self.kv_heads, self.unsupported, self.backend,
+                    getattr(type(layer), "forward_impl", None) if self.mla else None)
+
+    def shape(self, q) -> guard.LayerShape:
+        key = (q.device, q.dtype)
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = guard.LayerShape(q.device, q.dtype, *self.dims, num_kv_heads=self.kv_heads)
+        return shape
 
 
-def standard_batch(md) -> tuple[int, list[int], list[int]] | None:
-    """``(decode tokens, query_lens, context_lens)`` of a standard backend's metadata, host ints: per request,
-    context = ``seq_len - query_len``, a one-token query with context is a decode; ``query_lens`` /
-    ``context_lens`` per other (prefill) request, in order. None when the metadata lacks
-    ``query_start_loc`` or ``seq_lens`` (unknown metadata)."""
-    qsl, seq_lens = getattr(md, "query_start_loc", None), getattr(md, "seq_lens", None)
-    if qsl is None or seq_lens is None:
-        return None
-    n = seq_lens.shape[0]
-    q_lens = (qsl[1:n + 1] - qsl[:n]).to("cpu")
-    ctx = seq_lens.to("cpu") - q_lens
-    is_decode = (ctx > 0) & (q_lens == 1)
-    return (int(q_lens[is_decode].sum().item()), [int(x) for x in q_lens[~is_decode].tolist()],
-            [int(x) for x in ctx[~is_decode].tolist()])
+_infos: dict = {}
 
 
-def batch_kind(md):
-    """(decode tokens, prefill requests with cached context) of vLLM's attention metadata."""
-    if hasattr(md, "num_decode_tokens") and hasattr(md, "prefill") and hasattr(md, "num_prefills"):  # MLA common
-        decode, _, context_lens = mla_batch(md)
-        return decode, sum(1 for c in context_lens if c)
-    standard = standard_batch(md)
-    if standard is None:
-        return 1, 0  # unknown metadata: never fused
-    decode, _, context_lens = standard
-    return decode, sum(1 for c in context_lens if c)
+def layer_info(layer) -> LayerInfo:
+    """The layer's :class:`LayerInfo`, read on its first call with metadata (after vLLM loaded its weights)."""
+    entry = _infos.get(id(layer))
+    if entry is None or entry[0] is not layer:
+        entry = _infos[id(layer)] = (layer, LayerInfo(layer))
+    return entry[1]
 
 
-def batch_rows(md, layer, tokens: int) -> guard.BatchRows:
-    """The rows of a vLLM call: MLA metadata gives its prefills' query and context lengths, a standard backend's
-    metadata its decode tokens and per prefill request its query and context lengths (a standard layer's call
-    is fused only without decode tokens and cached context: :func:`decide`). Unknown metadata reads as one
-    decode token beside ``num_actual_tokens - 1`` prefill tokens: never fused."""
-    n = int(getattr(md, "num_actual_tokens", tokens))
-    if is_mla(layer):
-        decode, query_lens, context_lens = mla_batch(md)
-    else:
-        standard = standard_batch(md)
-        decode, query_lens, context_lens = standard if standard is not None else (1, [n - 1], [0])
-    return guard.BatchRows(decode, tuple(query_lens), tuple(context_lens), dcp_world_size())
+def step_rows(md, layer):
+    """The call's rows (:class:`fusion_pass.vllm.host_rows.StepRows`), host-side only; None without host copies."""
+    dcp = _dcp if _dcp is not None else dcp_world_size()
+    return mla_rows(md, dcp) if layer_info(layer).mla else standard_rows(md, dcp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_only(tokens: int) -> guard.Decision:
+    return guard.Decision.fallback("decode_tokens", f"{tokens} decode token(s), no prefill", 0, tokens)
+
+
+_NO_METADATA = guard.Decision.fallback(NO_METADATA, "no attention metadata (vLLM profile/dummy run)")
+
+
+def _without_host_rows(info: LayerInfo, md, dcp: int) -> guard.Decision:
+    """The metadata holds no host copy of the batch: decode-only batches are known from its ints, any other
+    call falls back."""
+    n = int(getattr(md, "num_actual_tokens", 0))
+    if dcp != 1:
+        return guard.Decision.fallback("dcp_world_size>1", f"dcp_world_size={dcp}", 0, n)
+    decode_only = (not getattr(md, "num_prefills", 0) or getattr(md, "prefill", None) is None) if info.mla \
+        else getattr(md, "max_query_len", 2) <= 1
+    if decode_only:
+        return _decode_only(n)
+    return guard.Decision.fallback("no_host_metadata", "the attention metadata holds no host copy of the batch's "
+                                   "query and sequence lengths (the fused path never reads device metadata)", 0, n)
 
 
 def decide(layer_name, q, md, layer, kv_cache=None) -> guard.Decision:
-    """The guard for one vLLM call, from the layer, its metadata and KV cache.
+    """The guard for one vLLM call, from the layer, its metadata and KV cache (module docstring).
 
-    Per token, as the runtime's: ``prefill_tokens`` and ``fused_tokens`` of the ``num_actual_tokens`` rows,
-    ``post_quantized`` ``{reason: rows}`` for the rest. No metadata (a profile or dummy run) counts no tokens.
+    Per token, as the runtime's: ``prefill_tokens`` and ``fused_tokens`` of the call's rows, ``post_quantized``
+    ``{reason: rows}`` for the rest. No metadata (a profile or dummy run) counts no tokens. A call with prefill
+    rows is decided once per step for layers that read alike (:attr:`LayerInfo.key`, the device and dtype of the
+    query, the cache's dtype and shape, the configured backend): the decision is kept with the step's rows.
     """
     if md is None:
-        return guard.Decision.fallback(NO_METADATA, "no attention metadata (vLLM profile/dummy run)")
-    rows = batch_rows(md, layer, q.shape[0])
-    mla = is_mla(layer)
-    heads, qk_dim, v_dim = dims(layer)
-    unsupported = unsupported_reason(layer, md)
-    decode_refusal = ("vLLM's standard attention backends compute decode and prefill rows in one kernel call"
-                      if not mla else None)
-    if mla and rows.decode_tokens and not unsupported:
-        decode_refusal = forward_impl_mismatch(type(layer).forward_impl)
-    context_refusal = ("vLLM's standard attention backends: the adapter does not read their paged KV cache"
-                       if not mla else latent_cache_unreadable(layer, kv_cache) if any(rows.context_lens) else None)
-    decision = guard.decide(rows, guard.LayerShape(q.device, q.dtype, heads, qk_dim, v_dim),
-                            unsupported=f"{layer_name_of(layer_name)}: {unsupported}" if unsupported else None,
-                            decode_refusal=decode_refusal, context_refusal=context_refusal, allow_partial=False)
-    with_context = sum(1 for c in rows.context_lens if c)
-    if decision.fused and with_context:  # MLA: the fused rows read the cached context from the paged latent cache
+        return _NO_METADATA
+    dcp = _dcp if _dcp is not None else dcp_world_size()
+    if dcp == 1:  # the call of most steps, decided from the metadata's ints
+        decode_only = decode_only_tokens(md)
+        if decode_only is not None:
+            return _decode_only(decode_only)
+    info = layer_info(layer)
+    rows = mla_rows(md, dcp) if info.mla else standard_rows(md, dcp)
+    if rows is None:
+        return _without_host_rows(info, md, dcp)
+    if not rows.rows.prefill_tokens and dcp == 1:
+        return _decode_only(rows.num_tokens)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return guard.Decision.fallback("cuda_graph_capture", "the call is being captured into a CUDA graph, which "
+                                       "replays for batches the capture did not see: the exact fallback",
+                                       rows.rows.prefill_tokens, rows.num_tokens)
+    cache = (kv_cache.dtype, tuple(kv_cache.shape), kv_cache.stride()) if isinstance(kv_cache, torch.Tensor) \
+        else type(kv_cache)
+    key = (info.key, q.device, q.dtype, cache, settings.configured_backend())
+    decision = rows.memo.get(key)
+    if decision is None:
+        decision = rows.memo[key] = _decide(layer_name, q, md, layer, kv_cache, info, rows.rows)
+    return decision
+
+
+def _decide(layer_name, q, md, layer, kv_cache, info: LayerInfo, batch: guard.BatchRows) -> guard.Decision:
+    """:func:`decide` for a call with prefill rows (or DCP), not captured."""
+    prefill, tokens = batch.prefill_tokens, batch.num_tokens
+    if batch.dcp_world_size != 1:
+        return guard.decide(batch, info.shape(q))
+    unsupported = info.unsupported
+    if unsupported is None and not info.mla and getattr(md, "causal", True) is False:
+        unsupported = "non-causal attention metadata (the fused kernels are causal decoder attention)"
+    if unsupported:
+        return guard.decide(batch, info.shape(q), unsupported=unsupported)
+    with_context = sum(1 for c in batch.context_lens if c)
+    if info.mla:
+        decode_refusal = forward_impl_mismatch(type(layer).forward_impl) if batch.decode_tokens else None
+        context_refusal = latent_cache_unreadable(layer, kv_cache) if with_context else None
+    elif info.adapter is None:
+        return guard.Decision.fallback(
+            f"no_decode_adapter:{info.backend}", f"vLLM attention backend {info.backend} has no adapter (its decode "
+            f"sub-batch and paged KV cache): adapters exist for {', '.join(adapters.ADAPTERS)}", prefill, tokens)
+    else:
+        decode_refusal = info.adapter.decode_refusal(layer, md) if batch.decode_tokens else None
+        context_refusal = info.adapter.context_refusal(layer, kv_cache) if with_context else None
+    decision = guard.decide(batch, info.shape(q), decode_refusal=decode_refusal, context_refusal=context_refusal,
+                            allow_partial=False)
+    if decision.fused and with_context:  # the fused rows read the cached context from the paged cache
         decision = dataclasses.replace(decision, detail=(
-            f"{decision.detail}; {with_context} prefill(s) attend to {sum(rows.context_lens)} cached context "
-            f"token(s) read from the paged latent cache"))
+            f"{decision.detail}; {with_context} prefill(s) attend to {sum(batch.context_lens)} cached context "
+            f"token(s) read from the paged {'latent ' if info.mla else ''}cache"))
     return decision

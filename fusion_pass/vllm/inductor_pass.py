@@ -11,16 +11,15 @@ is an ``InductorPass`` before appending it to its ``PostGradPassManager``. Hence
 * ``uuid()`` is stable across processes and runs and includes the vLLM version (vLLM's AOT cache key
   and Inductor's FX graph cache key include it);
 * every process that compiles logs its report (logger ``vllm.fusion_pass``, so vLLM's handler shows
-  it) and, under ``FUSION_PASS_DUMP=dir``, writes it to ``dir/vllm_report_<pid>.json``.
+  it) and, under ``FUSION_PASS_DUMP=dir``, writes it to ``dir/reports/vllm_report_<pid>.json``, kept current
+  with the run-time counters while the process serves (:mod:`fusion_pass.vllm.report_file`).
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import importlib
 import inspect
-import json
 import logging
 import os
 import threading
@@ -29,7 +28,7 @@ from pathlib import Path
 import vllm
 from vllm.compilation.passes.inductor_pass import InductorPass
 
-from fusion_pass.vllm import vocabulary
+from fusion_pass.vllm import report_file, vocabulary
 
 logger = logging.getLogger("vllm.fusion_pass")
 
@@ -62,6 +61,8 @@ class FusionPassForVllm(InductorPass):
         self._lock = threading.Lock()
         self._warned_split = False
         self.disabled_reason: str | None = None
+        self._report_file: report_file.ReportFile | None = None
+        self._graph_report: dict | None = None  # report() when the last graph was compiled
 
     # -- pickling / copying: only the pattern names travel ------------------------------------
 
@@ -107,15 +108,17 @@ class FusionPassForVllm(InductorPass):
     # -- InductorPass ---------------------------------------------------------------------------
 
     def uuid(self) -> str:
-        """Stable across processes: pattern set and code, matcher, vocabulary, this adapter, vLLM version."""
-        from fusion_pass.compile import matcher
+        """Stable across processes: pattern set and code, matcher and layout proofs, the vocabularies, this adapter
+        (the graph it builds), vLLM version."""
+        from fusion_pass.compile import layout, matcher
         from fusion_pass.patterns import attention_quant
+        from fusion_pass.patterns import vocabulary as pattern_vocabulary
         from fusion_pass.vllm import attention_op, fused_rows, guard
 
         h = hashlib.sha256()
         h.update(repr(self.patterns).encode())
-        for module in (matcher, attention_quant, vocabulary, attention_op, guard, fused_rows,
-                       inspect.getmodule(FusionPassForVllm)):
+        for module in (matcher, layout, attention_quant, pattern_vocabulary, vocabulary, attention_op, guard,
+                       fused_rows, inspect.getmodule(FusionPassForVllm)):
             h.update(inspect.getsource(module).encode())
         h.update(f"vllm={vllm.__version__}".encode())
         return h.hexdigest()
@@ -161,16 +164,26 @@ class FusionPassForVllm(InductorPass):
             "runtime": ops.runtime_counters()}
         return {**base, "pid": os.getpid(), "vllm_version": vllm.__version__, "disabled_reason": self.disabled_reason}
 
+    def report_with_current_counters(self) -> dict:
+        """The report of the last compiled graph with the run-time counters of now: what the report file holds
+        after a counter change. Safe in any thread (unlike :meth:`report`, which settles the FX-graph-cache
+        bookkeeping of a compile that may be under way)."""
+        from fusion_pass import ops
+
+        base = self._graph_report if self._graph_report is not None else self.report()
+        runtime = ops.runtime_counters(layers=list(base.get("rewritten_layers", [])))
+        prefill = runtime["tokens"]["prefill"]
+        return {**base, "runtime": runtime, "runtime_process": ops.runtime_counters(),
+                "prefill_fused_fraction": runtime["tokens"]["prefill_fused"] / prefill if prefill else None}
+
     def write_report(self) -> Path | None:
-        """Under ``FUSION_PASS_DUMP=dir``: write :meth:`report` to ``dir/vllm_report_<pid>.json``
-        (again at exit, with the final run-time counters)."""
+        """Under ``FUSION_PASS_DUMP=dir``: write :meth:`report` to ``dir/reports/vllm_report_<pid>.json`` and keep
+        that file current with the run-time counters (rewritten within a quarter second after they change, and
+        at a normal exit: :class:`fusion_pass.vllm.report_file.ReportFile`). Called after each graph."""
         directory = os.environ.get("FUSION_PASS_DUMP")
         if not directory:
             return None
-        path = Path(directory) / f"vllm_report_{os.getpid()}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.report(), indent=2, default=str))
-        if not getattr(self, "_atexit", False):
-            self._atexit = True
-            atexit.register(self.write_report)
-        return path
+        self._graph_report = self.report()
+        if self._report_file is None or self._report_file.pid != os.getpid():
+            self._report_file = report_file.ReportFile(directory, self.report_with_current_counters).start()
+        return self._report_file.write(self._graph_report, on="graph")

@@ -1,26 +1,85 @@
-"""vLLM's op vocabulary: the ops of vLLM's graphs for each role of the pattern table."""
+"""vLLM's op vocabulary: the ops of vLLM's graphs for each role of the pattern table, and the NVFP4 GEMM
+forms of vLLM's NVFP4 linear kernels (:data:`VLLM_GEMM_FORMS`)."""
 
 from __future__ import annotations
 
 import torch
 
-from fusion_pass.patterns.vocabulary import OpVocabulary
+from fusion_pass.patterns.vocabulary import GemmForm, OpVocabulary
 
-__all__ = ["VLLM_VERSIONS", "vllm_vocabulary"]
+__all__ = ["VLLM_GEMM_FORMS", "VLLM_VERSIONS", "vllm_gemm_forms", "vllm_vocabulary"]
 
 VLLM_VERSIONS = ("0.32.",)
 """vLLM releases the vLLM vocabulary and its run-time op were written against (prefixes)."""
+
+_NVFP4 = (("use_nvfp4", True), ("block_size", 16))  # flashinfer_mm_fp4's NVFP4 mode (else MXFP4)
+_SCALES_8X4 = (("use_8x4_sf_layout", True, "gemm_scale_layout_8x4"),)
+_FLASHINFER = ("vllm", "flashinfer_mm_fp4", "default", "A", "A_scale")
+
+VLLM_GEMM_FORMS = (
+    # (form name, (namespace, op, overload, activation argument, block-scale argument), expects, refuses,
+    #  the kernel class of vllm/model_executor/kernels/linear/nvfp4/ that emits it), in vLLM's CUDA priority
+    # order (_POSSIBLE_NVFP4_KERNELS). Every one quantizes with _C::scaled_fp4_quant.out into 128x4 swizzled
+    # scales, except TRT-LLM at m <= 32 (8x4 scales: refused).
+    ("flashinfer_cute_dsl", _FLASHINFER, (("backend", "cute-dsl"), *_NVFP4), _SCALES_8X4,
+     "flashinfer.FlashInferCuteDslNvFp4LinearKernel"),
+    ("flashinfer_cutlass", _FLASHINFER, (("backend", "cutlass"), *_NVFP4), _SCALES_8X4,
+     "flashinfer.FlashInferCutlassNvFp4LinearKernel"),
+    ("flashinfer_b12x", _FLASHINFER, (("backend", "b12x"), *_NVFP4), _SCALES_8X4,
+     "flashinfer.FlashInferB12xNvFp4LinearKernel"),
+    ("cutlass", ("_C", "cutlass_scaled_fp4_mm", "default", "a", "block_scale_a"), (), (),
+     "cutlass.CutlassNvFp4LinearKernel"),
+    ("flashinfer_trtllm", _FLASHINFER, (("backend", "trtllm"), *_NVFP4), _SCALES_8X4,
+     "flashinfer.FlashInferTrtllmNvFp4LinearKernel"),
+    ("flashinfer_cudnn", _FLASHINFER, (("backend", "cudnn"), *_NVFP4), _SCALES_8X4,
+     "flashinfer.FlashInferCudnnNvFp4LinearKernel"),
+    ("fbgemm", ("fbgemm", "f4f4bf16", "default", "XQ", "x_scale"), (("use_mx", False),), (),
+     "fbgemm.FbgemmNvFp4LinearKernel"),
+    ("b12x", ("b12x", "blockscaled_nvfp4", "default", "lhs_values", "lhs_scale_storage"), (), (),
+     "b12x.B12xNvFp4LinearKernel"),
+    ("torch_scaled_mm", ("aten", "_scaled_mm", "default", "self", "scale_a"), (), (),
+     "pytorch.TorchNvFp4LinearKernel"),
+)
+"""The GEMM of every NVFP4 linear kernel of vLLM 0.32 that consumes ``scaled_fp4_quant``'s swizzled output
+(docs/vllm.md, "NVFP4 GEMM forms"). The weight-only kernels (Marlin, Humming, the W4A16 ones) and the
+emulation kernel quantize no activation with it and have no form."""
+
+_REFUSED_QUANTS = (("vllm", "flashinfer_nvfp4_quantize", "default", "gemm_scale_layout_8x4"),)
+"""NVFP4 quant ops writing a layout the fused call does not: FlashInfer's 8x4-scale quant, which
+``scaled_fp4_quant`` calls for the TRT-LLM GEMM at m <= 32."""
+
+
+def _maybe(namespace: str, name: str, overload: str):
+    """``torch.ops.<namespace>.<name>.<overload>``, or None where this build (or process) lacks it."""
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def vllm_gemm_forms() -> tuple[GemmForm, ...]:
+    """The :data:`VLLM_GEMM_FORMS` whose op this process has (with the arguments the form names): a form
+    whose op is absent (most ``_C`` and FlashInfer ops on vLLM's CPU build) cannot appear in a graph."""
+    forms = []
+    for name, (namespace, op_name, overload, activation, block_scale), expects, refuses, kernel in VLLM_GEMM_FORMS:
+        form = GemmForm(f"vllm:{name}", _maybe(namespace, op_name, overload), activation, block_scale,
+                        expects, refuses, (f"vllm.model_executor.kernels.linear.nvfp4.{kernel}",))
+        if form.fits(form.op):
+            forms.append(form)
+    return tuple(forms)
 
 
 def vllm_vocabulary() -> OpVocabulary | None:
     """vLLM's ops, or None when vLLM is not installed.
 
     Attention: ``vllm::unified_attention_with_output`` / ``unified_mla_attention_with_output``;
-    quant and GEMM: ``_C::scaled_fp4_quant.out`` / ``cutlass_scaled_fp4_mm`` where vLLM's build has
-    them (CUDA), else this project's ``fusion_pass::scaled_fp4_quant.out`` / ``nvfp4_gemm`` (what an
-    NVFP4 linear method built on this project's ops emits, e.g. on vLLM's CPU build). The
-    replacements call ``fusion_pass::vllm_attention_nvfp4`` / ``vllm_mla_attention_nvfp4``
-    (registered by :mod:`fusion_pass.vllm`), never vLLM's op with ``output_scale``.
+    quant: ``_C::scaled_fp4_quant.out`` where vLLM's build has it and ``_C::cutlass_scaled_fp4_mm`` (CUDA
+    NVFP4 builds have both; the run-time fallback quantizes with the same op), else this project's
+    ``fusion_pass::scaled_fp4_quant.out`` (what an NVFP4 linear method built on this project's ops emits,
+    e.g. on vLLM's CPU build); GEMM forms: this project's ``fusion_pass::nvfp4_gemm`` (first: it is the
+    vocabulary's ``nvfp4_gemm``), then :func:`vllm_gemm_forms`. The replacements call ``fusion_pass::vllm_attention_nvfp4`` /
+    ``vllm_mla_attention_nvfp4`` (registered by :mod:`fusion_pass.vllm`), never vLLM's op with
+    ``output_scale``.
 
     Raises ``RuntimeError`` naming what is missing when vLLM is installed but its ops (or ours)
     are not registered in this process.
@@ -29,35 +88,32 @@ def vllm_vocabulary() -> OpVocabulary | None:
 
     if importlib.util.find_spec("vllm") is None:
         return None
-    import fusion_pass.ops  # noqa: F401  (registers the ops)
+    from fusion_pass.patterns.vocabulary import fusion_pass_vocabulary
+
+    own_vocab = fusion_pass_vocabulary()  # registers the project's ops
 
     def lookup(namespace: str, name: str, overload: str, hint: str):
-        packet = getattr(getattr(torch.ops, namespace), name, None) if hasattr(torch.ops, namespace) else None
-        op = getattr(packet, overload, None) if packet is not None else None
+        op = _maybe(namespace, name, overload)
         if op is None:
             raise RuntimeError(f"vllm_vocabulary: torch.ops.{namespace}.{name}.{overload} is not registered in "
                                f"this process ({hint})")
         return op
 
-    def maybe(namespace: str, name: str, overload: str):
-        try:
-            return getattr(getattr(getattr(torch.ops, namespace), name), overload)
-        except (AttributeError, RuntimeError):
-            return None
-
     hint_vllm = "import vllm.model_executor.layers.attention first; is this a vLLM release with these ops?"
     hint_ours = "call fusion_pass.vllm.attention_op.register() first (the vLLM plugin does)"
-    own = torch.ops.fusion_pass
-    c_quant, c_gemm = maybe("_C", "scaled_fp4_quant", "out"), maybe("_C", "cutlass_scaled_fp4_mm", "default")
-    on_c = c_quant is not None and c_gemm is not None
+    c_quant = _maybe("_C", "scaled_fp4_quant", "out")
+    if _maybe("_C", "cutlass_scaled_fp4_mm", "default") is None:  # the rule of the run-time fallback's quant_op
+        c_quant = None                                              # (fusion_pass.vllm): the same quant, same bytes
     return OpVocabulary(
-        name="vllm" + ("" if on_c else "+fusion_pass_quant"),
+        name="vllm" + ("" if c_quant is not None else "+fusion_pass_quant"),
         attention=lookup("vllm", "unified_attention_with_output", "default", hint_vllm),
         mla_attention=lookup("vllm", "unified_mla_attention_with_output", "default", hint_vllm),
-        nvfp4_quant=c_quant if on_c else own.scaled_fp4_quant.out,
-        nvfp4_gemm=c_gemm if on_c else own.nvfp4_gemm.default,
-        other_quants=tuple(op for op in (maybe("_C", "static_scaled_fp8_quant", "default"),
-                                         own.static_scaled_fp8_quant.default) if op is not None),
+        nvfp4_quant=c_quant if c_quant is not None else own_vocab.nvfp4_quant,
+        nvfp4_gemms=own_vocab.nvfp4_gemms + vllm_gemm_forms(),
+        other_quants=tuple(op for op in (_maybe("_C", "static_scaled_fp8_quant", "default"),
+                                         *own_vocab.other_quants) if op is not None),
+        refused_quants=tuple((op, reason) for op, reason in ((_maybe(*q[:3]), q[3]) for q in _REFUSED_QUANTS)
+                             if op is not None),
         fused_attention=lookup("fusion_pass", "vllm_attention_nvfp4", "default", hint_ours),
         fused_mla_attention=lookup("fusion_pass", "vllm_mla_attention_nvfp4", "default", hint_ours),
     )
