@@ -29,8 +29,7 @@ def device_arch(index: int | None) -> int | None:
     """``major * 10 + minor`` of CUDA device ``index`` (the current one for ``None``); ``None`` without CUDA."""
     if not torch.cuda.is_available():
         return None
-    major, minor = torch.cuda.get_device_capability(index)
-    return major * 10 + minor
+    return fa4_common.device_arch(torch.device("cuda", torch.cuda.current_device() if index is None else index))
 
 
 @functools.lru_cache(maxsize=None)
