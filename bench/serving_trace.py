@@ -1,43 +1,39 @@
-"""Serving trace: how many prefill tokens run on the fused attention -> NVFP4 path.
+"""Serving trace: how many prefill tokens run on the fused attention -> NVFP4 path, and what fusion saves per step.
 
-A scripted continuous-batching schedule shaped like vLLM V1's scheduler is run
-step by step through a demo model ("mla" or "gqa") compiled with the fusion
-pass, and the fraction of prefill tokens written by the fused kernel is
-reported under two guards:
+A scripted continuous-batching schedule shaped like vLLM V1's scheduler (bench/_schedule.py) is run
+step by step through a demo model ("mla" or "gqa") compiled with the fusion pass, and the fraction of
+prefill tokens written by the fused kernel is reported under two guards:
 
-  pure_prefill_gate  the old gate, computed from the schedule: a step's prefill
-                     tokens count as fused only when the step has no decode
-                     token and no prefill with cached context;
+  pure_prefill_gate  the old gate, computed from the schedule: a step's prefill tokens count as fused
+                     only when the step has no decode token and no prefill with cached context;
   this               the project's guard, measured: the per-token counters of
-                     fusion_pass.runtime.counters.counters()["tokens"] summed over the
-                     steps, prefill_fused / prefill.
+                     fusion_pass.runtime.counters.counters()["tokens"] summed over the steps,
+                     prefill_fused / prefill.
 
-The schedule (pure Python, seeded, deterministic): requests arrive as a
-Poisson process (--rate per step on average) with log-normal prompt and decode
-lengths (clipped). Each step has a token budget (--budget): first one token
-for each running request whose prompt is done (decodes), then chunks of the
-partially prefilled requests, then new requests from the waiting queue
-(at most --max-seqs running), each chunk as large as the remaining budget
-allows (chunked prefill: a later chunk's context_len is the tokens already
-computed). With --prefix-hit-rate, a new request may find a block-aligned part
-of its prompt already cached: its first chunk then has context_len > 0 (those
-tokens are put into the KV cache by an uncounted eager call before the step).
-As in vLLM, a request with one new token (query_len 1) is a decode to the
-runtime and to both guards, even when that token is the last of a prompt.
+With --device cuda every busy step is also timed at the kernel level (bench/_serving_steps.py): per
+layer, the step's attention and its NVFP4 output with every row through the same FA4 kernels on both
+sides, keys of context + new tokens through cu_seqlens_k, from a preallocated per-request KV cache
+appended in place:
 
-The steps run in order through one compiled model, so every request's context
-really is in the KV caches; finished requests are dropped from them.
+  unfused    FA4 bf16 over every row (decode and prefill rows in one call), then the quantizer;
+  fused      the runtime's way: decode rows by the same FA4 bf16 call on the decode sub-batch and the
+             row-range quantizer, prefill rows by the fused kernel (FA4 with the NVFP4 epilogue);
+  fused_all  every row by the fused kernel in one call.
 
-With --device cuda each step is also timed, the model compiled without vs
-with the pass (CUDA events, warm-up calls, median of --repeats calls on fresh
-random inputs, KV caches restored outside the timed region). On the CPU timing
-is skipped.
+Per step: CUDA events around the layers' calls (eager, as vLLM runs its attention op between CUDA-graph
+pieces), median of --repeats after --warmup, fresh random queries before every call; all three write
+the same bytes (checked per step). Reported: the per-step ratio unfused / fused (min, p10, median,
+p90, max, overall = total / total) and, beside it, the ceiling on paper: per layer fusion removes one
+memory-bound pass over the attention output (4 * T * H * Dv bytes: the bf16 output written and read
+back, at the H200's ~4.8 TB/s) and one launch (--launch-us, an assumption), and the share of that
+saving taken. On the CPU the model runs for the counters; --cpu-timing runs the timed steps on the
+reference kernels (wall time, meaningless as performance; the bytes are checked).
 
-    python bench/serving_trace.py --tiny --json trace.json            # a CPU smoke run (under a minute)
-    python bench/serving_trace.py --device cuda --budget 8192 --max-seqs 512 --rate 2 --json trace.json
+    python bench/serving_trace.py --tiny --json trace.json            # a CPU run (under a minute)
+    python bench/serving_trace.py --device cuda --timing-only --budget 2048 --json t2048.json --markdown t2048.md
 
-Exit code 2 when the installed fusion_pass has no per-token counters or
---device cuda has no CUDA device.
+Exit code 2 when the installed fusion_pass has no per-token counters, --device cuda has no CUDA
+device, or FA4 does not run the model's attention there; 1 when the variants' bytes differ at a step.
 """
 
 from __future__ import annotations
@@ -45,241 +41,35 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
-import random
-import statistics
 import sys
 import warnings
-from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
 if importlib.util.find_spec("fusion_pass") is None:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
 
 from fusion_pass import runtime  # noqa: E402
-from fusion_pass.demo import workload as demo
-from fusion_pass.runtime import counters, guard, row_plan, settings
 from fusion_pass.compile.graph_pass import FusionPass  # noqa: E402
+from fusion_pass.demo import workload as demo  # noqa: E402
 from fusion_pass.demo.models import release_layers  # noqa: E402
 from fusion_pass.demo.models.common import MAX_POSITION  # noqa: E402
-from fusion_pass.runtime import BatchSpec, RequestSpec  # noqa: E402
+from fusion_pass.runtime import BatchSpec, RequestSpec, counters, settings  # noqa: E402
 
-# --------------------------------------------------------------------------
-# The schedule
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Lengths:
-    """A log-normal length distribution with the given mean, clipped to ``[low, high]``."""
-
-    mean: float
-    sigma: float
-    low: int
-    high: int
-
-    def sample(self, rng: random.Random) -> int:
-        mu = math.log(self.mean) - self.sigma**2 / 2  # so that the unclipped mean is `mean`
-        return min(self.high, max(self.low, round(rng.lognormvariate(mu, self.sigma))))
-
-
-@dataclass(frozen=True)
-class TraceConfig:
-    """Everything the schedule depends on."""
-
-    steps: int
-    budget: int  # tokens per step
-    max_seqs: int  # running requests at most
-    rate: float  # mean arrivals per step
-    prompt: Lengths
-    decode: Lengths  # decode steps after the prompt (one token each), >= 1
-    prefix_hit_rate: float = 0.0  # probability that a new request finds part of its prompt cached
-    block_size: int = 16  # prefix-cache hits are whole blocks
-    seed: int = 0
-
-
-FULL = {"prompt": Lengths(1200, 1.0, 16, 16384), "decode": Lengths(250, 0.8, 1, 4096),
-        "budget": 2048, "max_seqs": 256, "steps": 300, "block_size": 16}
-TINY = {"prompt": Lengths(40, 0.8, 2, 256), "decode": Lengths(6, 0.6, 1, 24),
-        "budget": 64, "max_seqs": 8, "steps": 40, "block_size": 4}
-"""Defaults of the full run and of --tiny (tiny model dims, short prompts: a CPU run)."""
-
-
-@dataclass
-class Request:
-    """A request's lengths and progress; ``computed`` = tokens in the KV cache."""
-
-    request_id: str
-    arrival: int  # the step it arrived at
-    prompt_len: int
-    decode_len: int
-    cached: int  # prompt tokens found in the prefix cache when admitted (0: no hit)
-    computed: int = 0
-    decoded: int = 0
-
-    @property
-    def prefilled(self) -> bool:
-        return self.computed >= self.prompt_len
-
-    @property
-    def done(self) -> bool:
-        return self.decoded >= self.decode_len
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One request's share of a step: ``query_len`` new tokens after ``context_len`` cached ones.
-
-    ``prompt`` says whether the tokens are prompt tokens (a prefill chunk) or one decode token.
-    """
-
-    request_id: str
-    query_len: int
-    context_len: int
-    prompt: bool
-
-
-@dataclass(frozen=True)
-class Admission:
-    """A request as it was admitted: its lengths and the prompt tokens found in the prefix cache."""
-
-    request_id: str
-    prompt_len: int
-    decode_len: int
-    cached: int  # 0: no prefix-cache hit
-
-
-@dataclass(frozen=True)
-class Step:
-    """One scheduler step: its chunks in scheduling order (decodes first) and its bookkeeping."""
-
-    index: int
-    chunks: tuple[Chunk, ...]
-    arrived: int = 0  # requests that arrived for this step
-    admitted: tuple[Admission, ...] = ()  # requests admitted in this step (their first chunk is in it)
-    finished: tuple[str, ...] = ()  # requests whose last decode ran in this step
-
-    def batch_spec(self) -> BatchSpec | None:
-        """The step as the runtime's batch (one-token requests first, as vLLM orders them); None when idle."""
-        if not self.chunks:
-            return None
-        ordered = sorted(self.chunks, key=lambda c: c.query_len != 1)  # stable: keeps the order otherwise
-        return BatchSpec(tuple(RequestSpec(c.request_id, c.query_len, c.context_len) for c in ordered))
-
-    @property
-    def kind(self) -> str:
-        """The batch kind (``prefill``, ``decode``, ``mixed``, ``chunked``) or ``idle``."""
-        spec = self.batch_spec()
-        return "idle" if spec is None else spec.kind
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.query_len for c in self.chunks)
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Tokens of requests with more than one new token (what the runtime treats as prefill)."""
-        return sum(c.query_len for c in self.chunks if c.query_len > 1)
-
-    @property
-    def decode_tokens(self) -> int:
-        return sum(1 for c in self.chunks if c.query_len == 1)
-
-    @property
-    def gate_fused(self) -> bool:
-        """The old pure-prefill gate: prefill tokens, no decode token, no prefill with cached context."""
-        return self.kind == "prefill"
-
-
-def generate_schedule(cfg: TraceConfig) -> list[Step]:
-    """The ``cfg.steps`` steps of a continuous-batching schedule; the same config gives the same steps."""
-    rng = random.Random(cfg.seed)
-    waiting: deque[Request] = deque()
-    running: list[Request] = []
-    next_arrival = rng.expovariate(cfg.rate) if cfg.rate > 0 else math.inf
-    n_requests = 0
-    steps = []
-    for index in range(cfg.steps):
-        arrived = 0
-        while next_arrival < index + 1:  # Poisson process: exponential gaps between arrivals
-            prompt_len = cfg.prompt.sample(rng)
-            decode_len = cfg.decode.sample(rng)
-            cached = 0
-            if cfg.prefix_hit_rate > 0 and rng.random() < cfg.prefix_hit_rate:
-                # whole blocks, at least one prompt token left to compute (as in vLLM)
-                cached = cfg.block_size * int(rng.uniform(0.25, 1.0) * (prompt_len - 1) / cfg.block_size)
-            waiting.append(Request(f"req{n_requests}", index, prompt_len, decode_len, cached))
-            n_requests += 1
-            arrived += 1
-            next_arrival += rng.expovariate(cfg.rate)
-
-        budget = cfg.budget
-        chunks: list[Chunk] = []
-        for r in running:  # decodes first, one token each
-            if budget and r.prefilled:
-                chunks.append(Chunk(r.request_id, 1, r.computed, prompt=False))
-                budget -= 1
-        for r in running:  # then the next chunks of partially prefilled requests, in admission order
-            if budget and not r.prefilled:
-                chunks.append(Chunk(r.request_id, min(r.prompt_len - r.computed, budget), r.computed, prompt=True))
-                budget -= chunks[-1].query_len
-        admitted = []
-        while waiting and len(running) < cfg.max_seqs and budget:  # then new requests, first come first served
-            r = waiting.popleft()
-            r.computed = r.cached
-            admitted.append(Admission(r.request_id, r.prompt_len, r.decode_len, r.cached))
-            running.append(r)
-            chunks.append(Chunk(r.request_id, min(r.prompt_len - r.computed, budget), r.computed, prompt=True))
-            budget -= chunks[-1].query_len
-
-        by_id = {r.request_id: r for r in running}
-        for c in chunks:  # the step has run: advance every scheduled request
-            by_id[c.request_id].computed += c.query_len
-            by_id[c.request_id].decoded += 0 if c.prompt else 1
-        finished = tuple(r.request_id for r in running if r.done)
-        running = [r for r in running if not r.done]
-        steps.append(Step(index, tuple(chunks), arrived, tuple(admitted), finished))
-    return steps
-
-
-def pure_prefill_gate_fraction(steps: list[Step]) -> float | None:
-    """Fraction of prefill tokens in steps the old gate fuses (None without prefill tokens)."""
-    total = sum(s.prefill_tokens for s in steps)
-    return sum(s.prefill_tokens for s in steps if s.gate_fused) / total if total else None
-
-
-def schedule_stats(steps: list[Step]) -> dict:
-    """Counts and means of a schedule (requests, steps and prefill tokens by kind, budget use)."""
-    admitted = [a for s in steps for a in s.admitted]
-    hits = [a for a in admitted if a.cached]
-    by_kind = Counter(s.kind for s in steps)
-    prefill_by_kind = Counter()
-    for s in steps:
-        prefill_by_kind[s.kind] += s.prefill_tokens
-    busy = [s for s in steps if s.chunks]
-    return {
-        "requests_arrived": sum(s.arrived for s in steps),
-        "requests_admitted": len(admitted),
-        "requests_finished": sum(len(s.finished) for s in steps),
-        "mean_prompt_len": statistics.fmean(a.prompt_len for a in admitted) if admitted else None,
-        "max_prompt_len": max((a.prompt_len for a in admitted), default=None),
-        "mean_decode_len": statistics.fmean(a.decode_len for a in admitted) if admitted else None,
-        "prefix_hits": len(hits),
-        "prefix_cached_tokens": sum(a.cached for a in hits),
-        "steps_by_kind": {k: by_kind.get(k, 0) for k in ("prefill", "decode", "mixed", "chunked", "idle")},
-        "prefill_tokens_by_kind": {k: prefill_by_kind.get(k, 0) for k in ("prefill", "mixed", "chunked")},
-        "prefill_tokens": sum(s.prefill_tokens for s in steps),
-        "decode_tokens": sum(s.decode_tokens for s in steps),
-        "prompt_chunks_with_context": sum(1 for s in steps for c in s.chunks if c.prompt and c.context_len),
-        "mean_tokens_per_busy_step": statistics.fmean(s.tokens for s in busy) if busy else 0.0,
-    }
-
+import _serving_steps as steps_mod  # noqa: E402
+from _kernels import fa4_kernels, fa4_status, reference_kernels  # noqa: E402
+from _schedule import (FULL, TINY, Lengths, Step, TraceConfig, generate_schedule,  # noqa: E402
+                       pure_prefill_gate_fraction, schedule_stats)
 
 # --------------------------------------------------------------------------
 # Running the schedule through the model
@@ -346,41 +136,22 @@ def fill_prefix_hits(model, step: Step, hidden_size: int, device: str) -> None:
             model(*demo.dynamic_inputs(spec, hidden_size, device, seed=-1 - step.index))
 
 
-@torch.no_grad()
-def time_step(variants: dict, spec: BatchSpec, hidden_size: int, device: str, *, warmup: int, repeats: int,
-              seed: int) -> dict:
-    """CUDA only: median ms of one call of each variant (name -> compiled model) on ``spec``.
-
-    Each variant gets ``warmup`` untimed then ``repeats`` timed calls, each
-    on its own seeded inputs (made before timing) and from the KV caches as
-    they were on entry (restored outside the timed region, and on return).
-    """
-    start = runtime.snapshot_kv_caches()
-    inputs = [demo.dynamic_inputs(spec, hidden_size, device, seed + n) for n in range(warmup + repeats)]
-    ms = {name: demo.median_call_ms(model, spec, inputs, warmup, start, device) for name, model in variants.items()}
-    runtime.restore_kv_caches(start)
-    return ms
-
-
 @dataclass
 class TraceRun:
-    """What :func:`run_trace` measured: per-step token counter deltas, totals, the pass report, timings."""
+    """What :func:`run_trace` measured: per-step token counter deltas, totals, the pass report."""
 
     layers: int
     per_step: list  # per step: token_delta(...), or None for an idle step
-    totals: dict  # sum_deltas(per_step): the counted calls only (not the prefix fills, not the timed calls)
+    totals: dict  # sum_deltas(per_step): the counted calls only (not the prefix fills)
     report: dict
-    timings: list = field(default_factory=list)  # per busy step: {"step", "unfused_ms", "fused_ms"} (cuda)
 
 
-def run_trace(steps: list[Step], *, model_name: str, tiny: bool, device: str, layers: int,
-              timing: bool = False, warmup: int = 3, repeats: int = 10) -> TraceRun:
+def run_trace(steps: list[Step], *, model_name: str, tiny: bool, device: str, layers: int) -> TraceRun:
     """Run the steps in order through ``model_name`` compiled with the pass, counting tokens per step.
 
-    Before each step the prefix hits' cached prefixes are filled (eagerly);
-    with ``timing`` (CUDA) the step is timed with vs without the pass; then it
-    runs once through the model with the pass, and only that call is counted.
-    Finished requests are dropped from the KV caches after their last step.
+    Before each step the prefix hits' cached prefixes are filled (eagerly); then the step runs once
+    through the model with the pass, and only that call is counted. Finished requests are dropped from
+    the KV caches after their last step.
     """
     token_counters()  # fails early, before any compile, without the counters
     model = demo.build_model(model_name, tiny=tiny, device=device, layers=layers)
@@ -389,9 +160,6 @@ def run_trace(steps: list[Step], *, model_name: str, tiny: bool, device: str, la
         fusion = FusionPass()
         # No FX graph cache: a cache hit would reuse a graph without running the pass (no report).
         fused = torch.compile(model, options={"post_grad_custom_post_pass": fusion, "fx_graph_cache": False})
-        variants = {}
-        if timing:
-            variants = {"unfused": torch.compile(model, options={"fx_graph_cache": False}), "fused": fused}
         run = TraceRun(len(model.layers), [], {}, {})
         runtime.clear_kv_caches()
         for step in steps:
@@ -400,10 +168,6 @@ def run_trace(steps: list[Step], *, model_name: str, tiny: bool, device: str, la
                 run.per_step.append(None)
                 continue
             fill_prefix_hits(model, step, hidden_size, device)
-            if timing:
-                ms = time_step(variants, spec, hidden_size, device, warmup=warmup, repeats=repeats,
-                               seed=1_000_000 * (step.index + 1))
-                run.timings.append({"step": step.index, "unfused_ms": ms["unfused"], "fused_ms": ms["fused"]})
             before = token_counters()
             with torch.no_grad(), runtime.batch(spec):
                 fused(*demo.dynamic_inputs(spec, hidden_size, device, seed=step.index))
@@ -418,13 +182,74 @@ def run_trace(steps: list[Step], *, model_name: str, tiny: bool, device: str, la
 
 
 # --------------------------------------------------------------------------
+# Timing: every row through the same kernels (bench/_serving_steps.py)
+# --------------------------------------------------------------------------
+
+
+def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers: int, warmup: int, repeats: int,
+               launch_us: float, seed: int, progress: bool = True) -> dict:
+    """Time every busy step (see the module docstring); the ``timing`` entry of the JSON."""
+    dims = steps_mod.attn_dims(model, tiny)
+    cuda = device == "cuda"
+    kernels = fa4_kernels() if cuda else reference_kernels()
+    regions, slab_rows = steps_mod.plan_regions(steps)
+    runner = steps_mod.StepRunner(kernels, dims, layers, max(slab_rows, 1), device, seed=seed)
+    per_step = []
+    busy = [s for s in steps if s.chunks]
+    for n, step in enumerate(busy, 1):
+        spec = step.batch_spec()
+        layout = steps_mod.step_layout(spec, regions)
+        measured = runner.run_step(layout, warmup=warmup, repeats=repeats)
+        ms = measured["ms"]
+        saving = steps_mod.ceiling_ms(layout.tokens, dims, layers, launch_us=launch_us)
+        per_step.append({"step": step.index, "kind": step.kind, "tokens": layout.tokens, "decode_rows": layout.decodes,
+                         "prefill_rows": layout.prefill_tokens, "keys": layout.cu_k[-1],
+                         "unfused_ms": ms["unfused"], "fused_ms": ms["fused"], "fused_all_ms": ms["fused_all"],
+                         "speedup": ms["unfused"] / ms["fused"], "speedup_all": ms["unfused"] / ms["fused_all"],
+                         "ceiling_saving_ms": saving, "bytes_equal": measured["equal"]})
+        if progress and (n % 25 == 0 or n == len(busy)):
+            print(f"  timed {n}/{len(busy)} busy steps", flush=True)
+    unfused = [t["unfused_ms"] for t in per_step]
+    saving = [t["ceiling_saving_ms"] for t in per_step]
+    bytes_only = [steps_mod.ceiling_ms(t["tokens"], dims, layers) for t in per_step]
+    return {
+        "skipped": None,
+        "device": torch.cuda.get_device_name() if cuda else "CPU",
+        "kernels": kernels.name,
+        "what": ("per busy step, all layers' attention + NVFP4 output, every row through the same FA4 kernels "
+                 "(unfused: FA4 bf16 over every row + the quantizer; fused: decode rows FA4 bf16 + row-range "
+                 "quantizer, prefill rows the fused kernel, as the runtime does; fused_all: every row fused in one "
+                 "call); keys context + new through cu_seqlens_k from a preallocated per-request KV slab appended "
+                 "in place, gathered into a packed workspace outside the timed region; "
+                 + ("CUDA events around eager calls, median of repeats after warm-up, fresh randn queries per call, "
+                    "L2 not flushed" if cuda else "CPU wall time on the reference kernels (meaningless as performance)")),
+        "dims": {"heads": dims.heads, "kv_heads": dims.kv_heads, "dqk": dims.dqk, "dv": dims.dv},
+        "warmup": warmup, "repeats": repeats, "kv_slab_rows": slab_rows,
+        "ceiling_note": (f"per layer and step, fusing every row removes the bf16 output's write and read back, "
+                         f"4 * T * H * Dv bytes, at the H200's ~{steps_mod.H200_TBPS} TB/s, plus one launch of "
+                         f"{launch_us:g} us (an assumption, --launch-us); computed on paper, not measured"),
+        "launch_us": launch_us,
+        "fused": steps_mod.ratio_summary(unfused, [t["fused_ms"] for t in per_step], saving),
+        "fused_all": steps_mod.ratio_summary(unfused, [t["fused_all_ms"] for t in per_step], saving),
+        "ceiling_bytes_only_overall": (sum(unfused) / (sum(unfused) - sum(bytes_only))
+                                       if sum(unfused) > sum(bytes_only) else None),
+        "total_unfused_ms": sum(unfused),
+        "total_fused_ms": sum(t["fused_ms"] for t in per_step),
+        "total_fused_all_ms": sum(t["fused_all_ms"] for t in per_step),
+        "mismatched_steps": [t["step"] for t in per_step if not t["bytes_equal"]],
+        "per_step": per_step,
+    }
+
+
+# --------------------------------------------------------------------------
 # Results
 # --------------------------------------------------------------------------
 
 
 def results_json(cfg: TraceConfig, steps: list[Step], run: TraceRun | None, *, model: str, tiny: bool,
-                 device: str, layers: int, timing_note: str | None) -> dict:
-    """The JSON document (see bench/README.md); ``run`` is None with --schedule-only."""
+                 device: str, layers: int, timing: dict) -> dict:
+    """The JSON document (see bench/README.md); ``run`` is None without the model run; ``timing`` is
+    :func:`time_trace`'s entry or ``{"skipped": why}``."""
     stats = schedule_stats(steps)
     this = None
     if run is not None and run.totals["prefill"]:
@@ -442,14 +267,6 @@ def results_json(cfg: TraceConfig, steps: list[Step], run: TraceRun | None, *, m
             entry["post_quantized"] = {k: v / run.layers for k, v in delta["post_quantized"].items()}
             entry["counters_match"] = delta["prefill"] == run.layers * s.prefill_tokens
         per_step.append(entry)
-    timing: dict = {"skipped": timing_note}
-    if run is not None and run.timings:
-        unfused = sum(t["unfused_ms"] for t in run.timings)
-        fused = sum(t["fused_ms"] for t in run.timings)
-        timing = {"skipped": None, "what": "one call of the compiled attention stack per step, "
-                  "without vs with the pass; CUDA events, median of repeats after warm-up",
-                  "total_unfused_ms": unfused, "total_fused_ms": fused, "speedup": unfused / fused,
-                  "per_step": [{**t, "speedup": t["unfused_ms"] / t["fused_ms"]} for t in run.timings]}
     return {
         "budget": cfg.budget,
         "steps": cfg.steps,
@@ -457,7 +274,8 @@ def results_json(cfg: TraceConfig, steps: list[Step], run: TraceRun | None, *, m
         "fused_fraction": {"pure_prefill_gate": pure_prefill_gate_fraction(steps), "this": this},
         "config": {"model": model, "tiny": tiny, "device": device, "layers": layers, "seed": cfg.seed,
                    "rate": cfg.rate, "max_seqs": cfg.max_seqs, "prefix_hit_rate": cfg.prefix_hit_rate,
-                   "block_size": cfg.block_size, "prompt_len": asdict(cfg.prompt), "decode_len": asdict(cfg.decode)},
+                   "block_size": cfg.block_size, "prompt_len": vars(cfg.prompt).copy(),
+                   "decode_len": vars(cfg.decode).copy()},
         "schedule": stats,
         "counters": None if run is None else {
             "layers": run.layers, **run.totals,
@@ -494,7 +312,7 @@ def summary(doc: dict) -> str:
     ]
     counters = doc["counters"]
     if counters is None:
-        lines.append("  this guard         not measured (--schedule-only)")
+        lines.append("  this guard         not measured (the model was not run: --schedule-only or --timing-only)")
     else:
         post = ", ".join(f"{k}={v / counters['layers']:g}" for k, v in sorted(counters["post_quantized"].items()))
         lines.append(f"  this guard         {frac(f['this'])}   (tokens quantized after attention: {post or 'none'})")
@@ -508,9 +326,60 @@ def summary(doc: dict) -> str:
     if t["skipped"]:
         lines.append(f"timing: skipped ({t['skipped']})")
     else:
-        lines.append(f"timing: {t['total_unfused_ms']:.1f} ms without the pass, {t['total_fused_ms']:.1f} ms with it, "
-                     f"over {len(t['per_step'])} steps: {t['speedup']:.3f}x ({t['what']})")
+        lines += timing_lines(t)
     return "\n".join(lines)
+
+
+def _x(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}x"
+
+
+def timing_lines(t: dict) -> list[str]:
+    """The timing part of the summary: per-step ratio distributions beside the ceiling on paper."""
+    lines = [f"timing on {t['device']} ({t['kernels']} kernels), {len(t['per_step'])} busy steps: {t['what']}",
+             f"  ceiling: {t['ceiling_note']}"]
+    for name in ("fused", "fused_all"):
+        r = t[name]
+        d, c = r["ratio"], r["ceiling"]
+        lines.append(f"  unfused / {name:9s} per step: min {_x(d['min'])}, p10 {_x(d['p10'])}, median "
+                     f"{_x(d['median'])}, p90 {_x(d['p90'])}, max {_x(d['max'])}; overall {_x(r['overall'])} "
+                     f"({r['steps_below_0.99']} steps below 0.99x)")
+        lines.append(f"    ceiling on paper per step: min {_x(c['min'])}, median {_x(c['median'])}, max {_x(c['max'])}; "
+                     f"overall {_x(r['ceiling_overall'])}; share of the possible saving taken: "
+                     + ("n/a" if r["saving_taken"] is None else f"{r['saving_taken']:.0%}"))
+    lines.append(f"  ceiling from bytes alone (no launch term): overall {_x(t['ceiling_bytes_only_overall'])}")
+    if t["mismatched_steps"]:
+        lines.append(f"  ERROR: the variants' bytes differ at steps {t['mismatched_steps'][:10]}")
+    return lines
+
+
+def markdown(doc: dict, command: str) -> str:
+    """A docs/benchmarks.md block for one run: date, device, command, method, the ratio table."""
+    t, c = doc["timing"], doc["config"]
+    lines = [f"- Date: {datetime.now(timezone.utc):%Y-%m-%d} (UTC); device: "
+             f"{t.get('device', c['device']) if not t['skipped'] else c['device']}; torch {torch.__version__}",
+             f"- Command: `{command}`",
+             f"- Schedule: model {c['model']}, {c['layers']} layers, budget {doc['budget']}, {doc['steps']} steps, "
+             f"max {c['max_seqs']} seqs, rate {c['rate']}/step, prefix-hit rate {c['prefix_hit_rate']}, seed {c['seed']}",
+             f"- Fused fraction of prefill tokens: pure-prefill gate "
+             f"{doc['fused_fraction']['pure_prefill_gate'] or 0:.3f}, this guard "
+             + ("not measured" if doc["fused_fraction"]["this"] is None else f"{doc['fused_fraction']['this']:.3f}")]
+    if t["skipped"]:
+        return "\n".join(lines + [f"- Timing skipped: {t['skipped']}"]) + "\n"
+    lines += [f"- Method: {t['what']}", f"- Ceiling: {t['ceiling_note']}", "",
+              "| variant | min | p10 | median | p90 | max | overall | ceiling overall | saving taken | steps < 0.99x |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name in ("fused", "fused_all"):
+        r = t[name]
+        d = r["ratio"]
+        taken = "n/a" if r["saving_taken"] is None else f"{r['saving_taken']:.0%}"
+        lines.append(f"| unfused / {name} | {_x(d['min'])} | {_x(d['p10'])} | {_x(d['median'])} | {_x(d['p90'])} | "
+                     f"{_x(d['max'])} | {_x(r['overall'])} | {_x(r['ceiling_overall'])} | {taken} | "
+                     f"{r['steps_below_0.99']} of {d['n']} |")
+    lines.append("")
+    lines.append(f"Totals: unfused {t['total_unfused_ms']:.1f} ms, fused {t['total_fused_ms']:.1f} ms, fused_all "
+                 f"{t['total_fused_all_ms']:.1f} ms; ceiling from bytes alone {_x(t['ceiling_bytes_only_overall'])}.")
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------
@@ -528,7 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{TINY['steps']} steps unless given): a CPU run. Without it: prompt mean "
                              f"{FULL['prompt'].mean:g}, decode mean {FULL['decode'].mean:g}, full model dims")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the model runs (default cpu); cuda also times every step")
+                        help="where the model and the timed steps run (default cpu); cuda times every step on FA4")
     parser.add_argument("--budget", type=int, metavar="N",
                         help=f"token budget per step (default {FULL['budget']}, {TINY['budget']} with --tiny)")
     parser.add_argument("--steps", type=int, metavar="N",
@@ -544,10 +413,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "prefix cache, so its first chunk has context (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the schedule (default 0)")
     parser.add_argument("--layers", type=int, default=2, help="attention layers of the model (default 2)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="cuda timing: untimed calls per step and variant (default 3)")
-    parser.add_argument("--repeats", type=int, default=10,
-                        help="cuda timing: timed calls per step and variant (default 10)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="timing: untimed calls per step and variant (default 2)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timing: timed calls per step and variant, median (default 5)")
+    parser.add_argument("--launch-us", type=float, default=5.0,
+                        help="the ceiling's launch term: us one removed launch saves per layer (default 5, an "
+                             "assumption; the bytes term is computed from the H200's ~4.8 TB/s)")
+    parser.add_argument("--timing-only", action="store_true",
+                        help="time the steps but do not run the demo model (no counters: `this` is null)")
+    parser.add_argument("--cpu-timing", action="store_true",
+                        help="on the CPU, run the timed steps on the reference kernels (checks the bytes; "
+                             "the times are meaningless)")
     parser.add_argument("--workspace-tokens", type=int, metavar="N",
                         help="context workspace bound of the fused path, in tokens (default: "
                              "$FUSION_PASS_CONTEXT_WORKSPACE_TOKENS or 65536); a small N sends chunked prefills "
@@ -555,13 +432,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule-only", action="store_true",
                         help="only generate the schedule and the pure-prefill gate's fraction (no model, no counters)")
     parser.add_argument("--json", metavar="PATH", type=Path, help="write the results as JSON to PATH")
+    parser.add_argument("--markdown", metavar="PATH", type=Path, help="write a docs/benchmarks.md block to PATH")
     args = parser.parse_args(argv)
     for name in ("budget", "steps", "max_seqs", "layers", "repeats", "workspace_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.warmup < 0 or args.rate < 0 or not 0 <= args.prefix_hit_rate <= 1:
-        parser.error("--warmup and --rate must be >= 0, --prefix-hit-rate in [0, 1]")
+    if args.warmup < 0 or args.rate < 0 or args.launch_us < 0 or not 0 <= args.prefix_hit_rate <= 1:
+        parser.error("--warmup, --rate and --launch-us must be >= 0, --prefix-hit-rate in [0, 1]")
     for name in ("prompt_mean", "decode_mean"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -593,30 +471,57 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("serving_trace.py: --device cuda, but torch.cuda.is_available() is False here", file=sys.stderr)
         return 2
+    if args.device == "cuda":
+        dims = steps_mod.attn_dims(args.model, args.tiny)
+        ok, why = fa4_status("cuda", torch.bfloat16, dims.heads, dims.dqk, dims.dv)
+        if not ok:
+            print(f"serving_trace.py: the timed steps need FA4 with the NVFP4 epilogue for the {args.model} model's "
+                  f"attention {dims}, and it does not run here: {why}", file=sys.stderr)
+            return 2
     steps = generate_schedule(cfg)
     run = None
-    if args.schedule_only:
-        note = "--schedule-only: the model was not run"
-    else:
-        note = None if args.device == "cuda" else "CPU run: timing needs --device cuda (CUDA events)"
-        try:
+    try:
+        if not (args.schedule_only or args.timing_only):
             with settings.use_context_workspace_tokens(args.workspace_tokens):
-                run = run_trace(steps, model_name=args.model, tiny=args.tiny, device=args.device,
-                                layers=args.layers, timing=args.device == "cuda", warmup=args.warmup,
-                                repeats=args.repeats)
-        except MissingTokenCounters as exc:
-            print(f"serving_trace.py: {exc}", file=sys.stderr)
-            return 2
+                run = run_trace(steps, model_name=args.model, tiny=args.tiny, device=args.device, layers=args.layers)
+    except MissingTokenCounters as exc:
+        print(f"serving_trace.py: {exc}", file=sys.stderr)
+        return 2
+    if args.schedule_only:
+        timing = {"skipped": "--schedule-only: nothing was run"}
+    elif args.device == "cpu" and not args.cpu_timing:
+        timing = {"skipped": "CPU run: timing needs --device cuda (or --cpu-timing for the logic on the reference kernels)"}
+    else:
+        timing = time_trace(steps, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
+                            warmup=args.warmup, repeats=args.repeats, launch_us=args.launch_us, seed=args.seed)
     doc = results_json(cfg, steps, run, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
-                       timing_note=note)
+                       timing=timing)
     with settings.use_context_workspace_tokens(args.workspace_tokens):
         doc["config"]["context_workspace_tokens"] = settings.context_workspace_tokens()
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(doc, command_line(sys.argv if argv is None else ["bench/serving_trace.py", *argv])))
     print(summary(doc))
-    if args.json:
-        print(f"wrote {args.json}")
-    return 0
+    for path in (args.json, args.markdown):
+        if path:
+            print(f"wrote {path}")
+    return 1 if timing.get("mismatched_steps") else 0
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as run: ``python`` + the script path (relative to the repo when inside it) + arguments."""
+    import shlex
+
+    script = Path(argv[0])
+    if script.is_absolute():
+        try:
+            script = script.relative_to(REPO_ROOT)
+        except ValueError:
+            pass
+    return shlex.join(["python", str(script), *argv[1:]])
 
 
 if __name__ == "__main__":

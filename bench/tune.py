@@ -1,6 +1,21 @@
-"""Sweep the Triton kernels' tile configurations on the GPU (how the defaults were chosen).
+"""Sweep the kernels' tile configurations on the GPU (how the defaults were chosen).
 
     python bench/tune.py [--out DIR] [--quick]
+    python bench/tune.py --fa4 [--out DIR] [--budget-s 400] [--quick]
+
+``--fa4`` (an SM90 GPU with the ``fa4`` extra): the FA4 SM90 configurations. For each head-dim pair of the issue's
+layouts (MLA 192/128 at 16 and 128 heads, MHA 128/128 at 32 heads, GQA 64/8) and each of
+``sm90_configs.candidates`` (FA4's default first), at 4x128, 32x512, 8x2048 and 2x8192 tokens (causal, bf16, fresh
+randn inputs, three input sets where one fits in L2): the fused kernel's bytes against ``kernels.quantize`` of the
+twin's output (every byte, padding included), then GPU time per call by CUDA-graph replay of the fused kernel and of
+the twin (median of 5 replays). Once per shape, host time per call without a sync (each call alone, median of 60):
+the fused launcher and entry point, the compiled kernel called alone, the scale-padding fill, the twin, FA4's
+``flash_attn_varlen_func``. Writes ``DIR/tune_fa4.json`` after every configuration (a timeout keeps what was done)
+with a suggested ``sm90_configs.TABLE`` (per head dims and sequence-length class, the configuration with the
+smallest geometric-mean fused time relative to FA4's default), printed at the end; exit code 1 if any
+configuration's bytes differ. ``--budget-s`` stops starting new configurations (what is left is listed as skipped).
+
+Without ``--fa4``, the Triton kernels:
 
 Times (median, ``triton.testing.do_bench``) the NVFP4 quantizer over a few
 ``(BLOCK_M, BLOCK_K, num_warps)`` and the attention kernel, both epilogues, over
@@ -14,12 +29,20 @@ and MHA 32-head shapes; prints the best per shape and writes every timing to
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
+import math
 import os
+import statistics
 import sys
+import time
+from pathlib import Path
 
 import torch
+
+if importlib.util.find_spec("fusion_pass") is None:  # a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 QUANT_CONFIGS = [
     {"BLOCK_M": bm, "BLOCK_K": bk, "num_warps": w}
@@ -89,17 +112,247 @@ def tune_attention(results: dict, shapes) -> None:
         del q, k, v
 
 
+# --------------------------------------------------------------------------
+# FA4 SM90 configurations (--fa4)
+# --------------------------------------------------------------------------
+
+FA4_HEADS = [  # (name, H, Hkv, D, Dv): the issue's layouts
+    ("MLA 16h", 16, 16, 192, 128),
+    ("MLA 128h", 128, 128, 192, 128),
+    ("MHA 32h", 32, 32, 128, 128),
+    ("GQA 64/8", 64, 8, 128, 128),
+]
+FA4_BATCHES = [(4, 128, 20), (32, 512, 10), (8, 2048, 5), (2, 8192, 3)]  # (sequences, tokens each, calls per graph)
+L2_BYTES = 60 * 2**20
+HOST_CALLS = 60
+
+
+def graph_ms(fns, calls: int, replays: int = 5) -> float:
+    """GPU time per call by CUDA-graph replay (``_timing.graph_replay_ms``): ``calls`` calls cycling over ``fns``
+    (one per input set) captured once; the median over ``replays`` replays, per call."""
+    from _timing import cycling, graph_replay_ms, median
+
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    return median(graph_replay_ms(cycling(fns), calls=calls, replays=replays))
+
+
+
+def host_us(fn, calls: int = HOST_CALLS) -> float:
+    """Host time per call without a sync inside the call: each call timed alone with an empty launch queue (the
+    device is synchronized after each, outside the timed region); the median, in microseconds."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+class Fa4Case:
+    """Inputs and output buffers of one shape: ``sets`` input sets (several where one set fits in L2)."""
+
+    def __init__(self, heads, batch: int, seqlen: int, seed: int):
+        self.name, h, hkv, d, dv = heads
+        self.batch, self.seqlen, self.d, self.dv, self.h = batch, seqlen, d, dv, h
+        t = batch * seqlen
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        nbytes = t * (h * d + hkv * (d + dv)) * 2
+        self.sets = []
+        for _ in range(3 if nbytes < L2_BYTES else 1):
+            q, k, v = (torch.randn(t, n, e, device="cuda", dtype=torch.bfloat16, generator=gen)
+                       for n, e in ((h, d), (hkv, d), (hkv, dv)))
+            self.sets.append((q, k, v))
+        self.cu = torch.arange(0, t + 1, seqlen, device="cuda", dtype=torch.int32)
+        rows = -(-t // 128) * 128
+        cols = -(-(h * dv // 16) // 4) * 4
+        self.packed = torch.empty(t, h * dv // 2, device="cuda", dtype=torch.uint8)
+        self.scales = torch.empty(rows, cols, device="cuda", dtype=torch.uint8)
+        self.gs = torch.ones(1, device="cuda")
+        self.scale = d ** -0.5
+        self.tokens = t
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.batch}x{self.seqlen}"
+
+    def fused(self, launcher, i: int = 0):
+        q, k, v = self.sets[i]
+        return lambda: launcher(q, k, v, self.cu, self.seqlen, self.scale, True, self.packed, self.gs, self.scales)
+
+    def twin(self, launcher, i: int = 0):
+        q, k, v = self.sets[i]
+        return lambda: launcher(q, k, v, self.cu, self.seqlen, self.scale, True)
+
+
+def bytes_equal(case: Fa4Case, fused, twin) -> bool:
+    """The fused kernel's bytes against ``kernels.quantize`` of the twin's output (the global scale from it),
+    every packed byte and every scale byte (padding included); the buffers poisoned first."""
+    from fusion_pass import kernels
+
+    out = case.twin(twin)()
+    gs = (448 * 6 / out.float().abs().amax().clamp_min(1e-6)).reshape(1)
+    case.gs.copy_(gs)
+    case.packed.fill_(0xA5)
+    case.scales.fill_(0x5A)
+    case.fused(fused)()
+    want_packed, want_scales = kernels.quantize(out.reshape(case.tokens, -1), case.gs)
+    equal = torch.equal(case.packed, want_packed.view(torch.uint8)) and \
+        torch.equal(case.scales.view(-1), want_scales.view(torch.uint8).reshape(-1))
+    case.gs.fill_(1.0)
+    return bool(equal)
+
+
+def fa4_host_times(case: Fa4Case) -> dict:
+    """Host time per call (us) of the table's fused launcher and twin, the public entry points, the compiled
+    fused kernel called alone (the TVM-FFI floor), the scale-padding fill, and FA4's ``flash_attn_varlen_func``."""
+    from flash_attn.cute import interface
+
+    from fusion_pass.kernels.fa4 import forward, launch, sm90
+
+    q, k, v = case.sets[0]
+    cu, s, scale = case.cu, case.seqlen, case.scale
+    cfg = sm90.kernel_config(case.d, case.dv, True, s)
+    kernel = sm90.compile_nvfp4_kernel(q, k, v, q[..., :case.dv] if case.d != case.dv else q, case.packed, case.gs,
+                                       case.scales.view(-1), cu, cu, cfg, True)
+    o = q[..., :case.dv] if case.d != case.dv else q
+    padding = launch.ScalePadding()
+    sf = case.scales.view(-1)
+    return {
+        "fused launcher": host_us(case.fused(sm90.FUSED)),
+        "fused entry point": host_us(lambda: forward.fa4_attention_nvfp4_varlen(
+            q, k, v, cu_seqlens=cu, max_seqlen=s, softmax_scale=scale, causal=True, output=case.packed,
+            output_scale=case.gs, output_block_scale=case.scales)),
+        "compiled fused kernel alone": host_us(lambda: kernel(q, k, v, o, case.packed, sf, case.gs, scale, cu, cu)),
+        "scale padding fill": host_us(lambda: padding(sf, case.tokens - 1, case.h * case.dv)),
+        "twin launcher": host_us(case.twin(sm90.TWIN)),
+        "twin entry point": host_us(lambda: forward.fa4_attention_varlen(q, k, v, cu, s, causal=True,
+                                                                         softmax_scale=scale)),
+        "FA4 flash_attn_varlen_func": host_us(lambda: interface.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s, softmax_scale=scale,
+            causal=True, num_splits=1, pack_gqa=False)),
+    }
+
+
+def suggest_table(rows: list[dict]) -> dict:
+    """Per (D, Dv, seqlen class): the configuration with the smallest geometric mean of fused time over FA4's
+    default across the shapes of that class (byte-equal everywhere it ran; every shape of the class timed)."""
+    from fusion_pass.kernels.fa4 import sm90_configs
+
+    groups: dict = {}
+    for r in rows:
+        if r.get("fused_ms") and r.get("bytes_equal"):
+            key = (r["d"], r["dv"], sm90_configs.seqlen_class(r["seqlen"]))
+            groups.setdefault(key, {}).setdefault(tuple(r["config"]), {})[r["shape"]] = r["fused_ms"]
+    table = {}
+    for (d, dv, cls), by_cfg in groups.items():
+        default = tuple(sm90_configs.fa4_default(d, dv, True))
+        base = by_cfg.get(default)
+        if not base:
+            continue
+        scored = []
+        for cfg, times in by_cfg.items():
+            if set(times) == set(base):
+                scored.append((math.exp(statistics.fmean(math.log(times[s] / base[s]) for s in base)), cfg))
+        ratio, best = min(scored)
+        table[f"({d}, {dv}, True, {cls})"] = {"config": list(best), "fused_vs_default": round(ratio, 4),
+                                              "class": sm90_configs.SEQLEN_CLASSES[cls], "shapes": sorted(base)}
+    return table
+
+
+def tune_fa4(out_dir: str, budget_s: float, quick: bool = False) -> int:
+    """Time the fused kernel and its twin for every sweep candidate at the issue's shapes; JSON to
+    ``out_dir/tune_fa4.json`` after each configuration (a timeout keeps what was done) and the suggested table."""
+    from fusion_pass.kernels.fa4 import forward, sm90, sm90_configs
+
+    if forward.fa4_generation("cuda") != "sm90":
+        print("bench/tune.py --fa4 needs an SM90 GPU with flash-attn-4 installed", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "tune_fa4.json")
+    results: dict = {"device": torch.cuda.get_device_name(), "rows": [], "host_us": {}, "skipped": [],
+                     "errors": [], "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    batches = [b for b in FA4_BATCHES if not quick or b[1] == 512]
+
+    def save():
+        results["elapsed_s"] = round(time.monotonic() - started, 1)
+        results["suggested_table"] = suggest_table(results["rows"])
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+    for dims in sorted({(h[3], h[4]) for h in FA4_HEADS}, reverse=True):
+        cases = [Fa4Case(h, b, s, seed=i) for i, (h, (b, s, _)) in enumerate(
+            (h, b) for h in FA4_HEADS if (h[3], h[4]) == dims for b in batches)]
+        calls = {(b, s): c for b, s, c in batches}
+        for case in cases:
+            results["host_us"][case.label] = fa4_host_times(case)
+            print(f"host us {case.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in results["host_us"][case.label].items()),
+                  flush=True)
+        save()
+        for cfg in sm90_configs.candidates(*dims):
+            if time.monotonic() - started > budget_s:
+                results["skipped"].append({"dims": dims, "config": list(cfg)})
+                continue
+            fused, twin = sm90.launchers(cfg)
+            t0 = time.monotonic()
+            for case in cases:
+                row = {"shape": case.label, "d": case.d, "dv": case.dv, "seqlen": case.seqlen, "config": list(cfg)}
+                try:
+                    row["bytes_equal"] = bytes_equal(case, fused, twin)
+                    n = calls[(case.batch, case.seqlen)]
+                    row["fused_ms"] = graph_ms([case.fused(fused, i) for i in range(len(case.sets))], n)
+                    row["twin_ms"] = graph_ms([case.twin(twin, i) for i in range(len(case.sets))], n)
+                    row["fused_vs_twin"] = row["fused_ms"] / row["twin_ms"]
+                except Exception as exc:  # a configuration that does not build or run here: recorded, not fatal
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    results["errors"].append(row)
+                    if "CUDA" in str(exc) and "error" in str(exc).lower():
+                        save()
+                        raise
+                results["rows"].append(row)
+                print(f"{case.label} {cfg.describe()}: " + (row.get("error") or
+                      f"fused {row['fused_ms']:.4f} ms, twin {row['twin_ms']:.4f} ms, bytes equal {row['bytes_equal']}"),
+                      flush=True)
+            print(f"config {tuple(cfg)} done in {time.monotonic() - t0:.1f} s", flush=True)
+            save()
+        del cases
+        torch.cuda.empty_cache()
+    save()
+    table = results["suggested_table"]
+    print("\nsuggested sm90_configs.TABLE (geometric-mean fused time vs FA4's default per class):")
+    for key, entry in sorted(table.items()):
+        if entry["config"] != list(sm90_configs.fa4_default(*map(int, key.strip("()").split(", ")[:2]), True)):
+            print(f"    {key}: Sm90Config(*{tuple(entry['config'])}),  # {entry['fused_vs_default']:.3f}x, {entry['shapes']}")
+        else:
+            print(f"    # {key}: FA4's default is best")
+    bad = [r for r in results["rows"] if r.get("bytes_equal") is False]
+    print(f"\n{len(results['rows'])} rows, {len(bad)} not byte-equal, {len(results['errors'])} errors, "
+          f"{len(results['skipped'])} configurations skipped (budget); {path}")
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=".", help="directory for tune.json (default: .)")
+    parser.add_argument("--out", default=".", help="directory for tune.json / tune_fa4.json (default: .)")
     parser.add_argument("--quick", action="store_true", help="only the 32x512 shapes")
     parser.add_argument("--skip-quant", action="store_true", help="attention only")
     parser.add_argument("--long", action="store_true", help="only the 2x8192 shapes")
+    parser.add_argument("--fa4", action="store_true", help="the FA4 SM90 configurations instead of the Triton kernels")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="--fa4: stop starting new configurations after this many seconds (default 400)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/tune.py needs a CUDA device", file=sys.stderr)
         return 2
     torch.manual_seed(0)
+    if args.fa4:
+        return tune_fa4(args.out, args.budget_s, quick=args.quick)
     results: dict = {"device": torch.cuda.get_device_name()}
     if not args.skip_quant:
         tune_quant(results)

@@ -94,7 +94,7 @@ def shadow_unfused(shadows: list) -> None:
             op, heads = torch.ops.vllm.unified_mla_attention_with_output, None
         else:
             op, heads = torch.ops.vllm.unified_attention_with_output, inputs[0].shape[1]
-        attention_op._run_unfused(op, inputs, packed, layer.layer_name, output_scale, scales, {}, heads)
+        attention_op._run_unfused(op, inputs, packed, layer.layer_name, output_scale, scales, (), heads)
         shadows.append((output.clone(), output_block_scale.clone(), packed, scales))
 
     attention_op.run_fused = run_fused_and_unfused

@@ -271,11 +271,12 @@ def test_fused_calls_run_inside_vllms_kv_connector_hooks(monkeypatch):
     monkeypatch.setattr(kv_transfer_utils, "has_kv_transfer_group", lambda: True)
     monkeypatch.setattr(kv_transfer_utils, "is_v1_kv_transfer_group", lambda: True)
     monkeypatch.setattr(kv_transfer_utils, "get_kv_transfer_group", lambda: Connector())
-    monkeypatch.setattr(vllm_attention, "get_attention_context", lambda name: (md, layer, kv_cache, None))
+    monkeypatch.setattr(vllm_attention, "get_attention_context", lambda name: (md, layer, kv_cache, None))  # the hooks'
+    monkeypatch.setattr(attention_op, "_context", lambda name: (md, layer, kv_cache))  # the op's
     attention_op._with_kv_transfer.cache_clear()  # decorated again with the patched context lookup
     try:
         packed, scales = buffers(md.num_actual_tokens)
-        attention_op._run(None, inputs, packed, "stand_in.attn", GS, scales, {}, None)
+        attention_op._run(None, inputs, packed, "stand_in.attn", GS, scales, (), None)
     finally:
         attention_op._with_kv_transfer.cache_clear()
     # kv_b_proj runs for the new tokens and for the cached context: every such call between the two hooks

@@ -235,12 +235,12 @@ def test_guard_counts_every_call_and_names_each_path_once_in_vllms_log(runs):
     assert tokens["prefill_fused"] == tokens["prefill"]  # every prefill token of every batch kind
 
 
+@pytest.mark.parametrize("runs", sorted(STANDARD), indirect=True)  # the standard configurations' runs only
 def test_multiprocessing_on_standard_layers_fuse_every_prefill_token(runs):
-    """The Qwen2 configuration with V1 multiprocessing on: the engine core runs the model in another process,
-    whose report file (FUSION_PASS_DUMP) holds the pass's run-time counters."""
+    """The Qwen2 configuration with V1 multiprocessing on (the other runs of the configuration have it off): the
+    engine core runs the model in another process, whose report file (FUSION_PASS_DUMP) holds the pass's run-time
+    counters. (MLA with multiprocessing on: the test below.)"""
     name, fused, plain = runs
-    if name not in STANDARD:
-        pytest.skip("multiprocessing on is run for the standard-attention model here (MLA: the test below)")
     mp = fused["mp"]
     compiled = [r for r in mp["reports"] if r["graphs"]]
     assert len(compiled) == 1 and compiled[0]["pid"] != mp["pid"], mp["reports"]
@@ -285,6 +285,12 @@ def test_graphs_vllms_own_fusion_rewrote_are_retargeted_to_the_fused_call(engine
     assert report["candidates"] == report["rewritten"] == report["retargeted"] == 2, report
     assert [(l["pattern"], l["outcome"]) for l in report["per_graph"][0]["layers"]] == [(pattern, "retargeted")] * 2
     assert "2 rewritten (2 retargeted)" in result["log"]
+    # the layers vLLM built, read while compiling (fusion_pass/vllm/layer_check.py): the fused call can run for them
+    backend = "MLA" if name == "dsv3" else "vLLM attention backend CPU_ATTN"
+    for i in range(LAYERS):
+        line = (f"model.layers.{i}.self_attn.attn ({pattern}): vLLM's fuse_attn_quant rewrite retargeted to the fused "
+                f"op (KV cache dtype 'auto', {backend}: the fused call can run)")
+        assert line in result["log"], result["log"][-3000:]
     counters = result["counters"]
     assert counters["fused"] > 0 and counters["fallback"].get("decode_tokens", 0) > 0
     plain = run_engine(tmp_path / "plain", spec(name, engine_models, False))

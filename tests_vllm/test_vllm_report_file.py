@@ -52,7 +52,9 @@ def _fused(tokens: int) -> Decision:
     return Decision("fused", None, "reference", None, tokens, tokens, {})
 
 
-def test_counters_listeners_are_called_on_every_change_and_a_raising_one_is_removed_loudly(caplog):
+def test_a_counters_listener_that_reads_them_is_called_after_every_change_and_a_raising_one_is_removed(caplog):
+    """A listener is called at the first change after the counters were read (tests/runtime/test_counters.py): one
+    that reads them, as the report file's writer does, hears of every change."""
     calls = []
 
     def listener():

@@ -40,14 +40,16 @@ class GraphReport:
     rewritten: int = 0  # attention + quant fused, or an already quantized call retargeted
     retargeted: int = 0  # of which retargeted
     refused: dict[str, int] = field(default_factory=dict)
+    left: dict[str, int] = field(default_factory=dict)  # already quantized calls left as they are, by reason
     seconds: float = 0.0
     layers: list[dict] = field(default_factory=list)  # one entry per candidate: layer, pattern, outcome
 
     def line(self) -> str:
         refused = ", ".join(f"{k}={v}" for k, v in sorted(self.refused.items())) or "none"
         retargeted = f" ({self.retargeted} retargeted)" if self.retargeted else ""
+        left = ", left quantized: " + ", ".join(f"{k}={v}" for k, v in sorted(self.left.items())) if self.left else ""
         return (f"fusion_pass: graph {self.graph}: {self.candidates} candidates, {self.rewritten} rewritten"
-                f"{retargeted}, refused: {refused} ({self.seconds * 1e3:.1f} ms)")
+                f"{retargeted}{left}, refused: {refused} ({self.seconds * 1e3:.1f} ms)")
 
 
 def _resolve_patterns(patterns) -> tuple[AttentionQuantPattern, ...]:
@@ -94,11 +96,18 @@ class FusionPass(CustomGraphPass):
 
     ``patterns``: entries of :data:`fusion_pass.patterns.PATTERNS` or their names
     (default: all); ``vocabularies``: op vocabularies to match (default:
-    ``torch.ops.fusion_pass``).
+    ``torch.ops.fusion_pass``). ``leave_quantized``: None, or a callable ``(layer) -> reason or None`` asked
+    before an attention call another pass already gave the quant's buffers is retargeted (``layer``: its
+    layer name, or the label the report gives a call without one): given a reason, the call is left as it is
+    (outcome ``"left"`` with that reason, counted in ``left``).
     """
 
     def __init__(self, patterns: tuple[AttentionQuantPattern | str, ...] | None = None,
-                 vocabularies: tuple[OpVocabulary, ...] | None = None):
+                 vocabularies: tuple[OpVocabulary, ...] | None = None, leave_quantized=None):
+        if leave_quantized is not None and not callable(leave_quantized):
+            raise ArgumentError(f"FusionPass: leave_quantized must be None or callable, "
+                                f"got {type(leave_quantized).__name__} {leave_quantized!r}")
+        self.leave_quantized = leave_quantized
         self.patterns = _resolve_patterns(patterns)
         self.vocabularies = _resolve_vocabularies(vocabularies)
         self.graphs: list[GraphReport] = []
@@ -170,6 +179,12 @@ class FusionPass(CustomGraphPass):
                     match = found
                     break
                 refusal = refusal or (found, entry.name)
+            left = (self.leave_quantized(layer) if match is not None and match.outcome == "retargeted"
+                    and self.leave_quantized is not None else None)
+            if left:
+                report.left[left] = report.left.get(left, 0) + 1
+                report.layers.append({"layer": layer, "pattern": match.pattern.name, "outcome": "left", "reason": left})
+                continue
             if match is not None:
                 matcher.rewrite(graph, match, vocab)
                 if isinstance(layer, str) and layer not in self.rewritten_layers:
@@ -212,8 +227,10 @@ class FusionPass(CustomGraphPass):
 
         self._settle_cache_lookups()
         refused: Counter = Counter()
+        left: Counter = Counter()
         for g in self.graphs:
             refused.update(g.refused)
+            left.update(g.left)
         runtime = ops.runtime_counters(layers=list(self.rewritten_layers))
         tokens = runtime["tokens"]
         return {
@@ -223,6 +240,7 @@ class FusionPass(CustomGraphPass):
             "rewritten": sum(g.rewritten for g in self.graphs),
             "retargeted": sum(g.retargeted for g in self.graphs),
             "refused": dict(refused),
+            "left": dict(left),
             "seconds": sum(g.seconds for g in self.graphs),
             "per_graph": [asdict(g) for g in self.graphs],
             "rewritten_layers": list(self.rewritten_layers),

@@ -34,7 +34,7 @@ def _tokens(runtime: dict) -> dict:
 def summarize(directory: str | Path) -> dict:
     """Totals over every process report under ``directory`` (:func:`report_files`), and one entry per process.
 
-    Returns ``{"processes": [...], "graphs", "candidates", "rewritten", "refused": {reason: n},
+    Returns ``{"processes": [...], "graphs", "candidates", "rewritten", "refused": {reason: n}, "left": {reason: n},
     "fused": n, "fused_by_backend": {name: n}, "fallback": {reason: n},
     "tokens": {"prefill": n, "prefill_fused": n, "post_quantized": {reason: n}}}``; each process entry has the
     same run-time keys (its own counts) and ``file`` (relative to ``directory``), ``pid``, ``written_on``
@@ -51,7 +51,7 @@ def summarize(directory: str | Path) -> dict:
             f"fusion-pass report: no {PATTERN} in {directory / REPORTS_DIR} or {directory} (set "
             f"FUSION_PASS_DUMP={directory} for the vLLM processes; an FX-graph-cache hit skips the pass, see "
             f"docs/vllm.md)")
-    refused, fused_by, fallback, post = Counter(), Counter(), Counter(), Counter()
+    refused, left, fused_by, fallback, post = Counter(), Counter(), Counter(), Counter(), Counter()
     totals = {"graphs": 0, "candidates": 0, "rewritten": 0, "fused": 0}
     prefill = prefill_fused = 0
     processes = []
@@ -70,6 +70,7 @@ def summarize(directory: str | Path) -> dict:
             totals[key] += int(report.get(key, 0))
         totals["fused"] += int(runtime.get("fused", 0))
         refused.update(report.get("refused") or {})
+        left.update(report.get("left") or {})
         fused_by.update(runtime.get("fused_by_backend") or {})
         fallback.update(runtime.get("fallback") or {})
         prefill += tokens["prefill"]
@@ -82,7 +83,8 @@ def summarize(directory: str | Path) -> dict:
                           "fused": int(runtime.get("fused", 0)),
                           "fused_by_backend": dict(runtime.get("fused_by_backend") or {}),
                           "fallback": dict(runtime.get("fallback") or {}), "tokens": tokens})
-    return {"processes": processes, **totals, "refused": dict(refused), "fused_by_backend": dict(fused_by),
+    return {"processes": processes, **totals, "refused": dict(refused), "left": dict(left),
+            "fused_by_backend": dict(fused_by),
             "fallback": dict(fallback),
             "tokens": {"prefill": prefill, "prefill_fused": prefill_fused, "post_quantized": dict(post)}}
 
@@ -104,7 +106,9 @@ def format_summary(summary: dict) -> str:
     lines += [
         "",
         f"total: {len(summary['processes'])} processes, {summary['graphs']} graphs, {summary['candidates']} "
-        f"attention layers seen, {summary['rewritten']} rewritten, refused: {reasons(summary['refused'])}",
+        f"attention layers seen, {summary['rewritten']} rewritten, "
+        + (f"left quantized: {reasons(summary['left'])}, " if summary.get("left") else "")
+        + f"refused: {reasons(summary['refused'])}",
         f"run time: {summary['fused']} fused calls ({reasons(summary['fused_by_backend'])}), "
         f"fallback calls: {reasons(summary['fallback'])}",
         f"tokens: {t['prefill_fused']} of {t['prefill']} prefill tokens fused, post-quantized: "

@@ -16,6 +16,21 @@ quantization and the NVFP4 attention-state merge. Every argument is checked befo
 
 The run time's backends call the same kernels unvalidated through :mod:`fusion_pass.kernels.launchers`.
 
+Validation (``validate_values=``). Types, shapes, dtypes, strides, devices and host values (``max_seqlen``,
+``row_start``, ...) are checked on the host, always. The values held by tensors (``cu_seqlens``,
+``cu_seqlens_k``, the global scale) live on the device, and reading them back on CUDA waits for every kernel
+queued before the call (up to milliseconds); so by default (``"device"``) they are checked where they are: a
+few small kernels compute the condition and :func:`torch._assert_async` asserts it, nothing is read back.
+On the CPU a bad value raises :class:`~fusion_pass.nvfp4.ArgumentError` at once; on CUDA it surfaces at the
+next synchronization as a device-side assertion, which CUDA makes fatal to the process's CUDA context, and
+whose message does not name the value. ``validate_values=True`` reads the values back instead (one
+synchronization per call) and raises an ``ArgumentError`` naming them before any kernel runs: for
+debugging, or where a bad value must not end the process. ``validate_values=False`` checks no value (a
+wrong ``cu_seqlens`` then gives wrong rows or an out-of-bounds access). Where a result needs a value on the
+host it is still read: the ``reference`` backend reads ``cu_seqlens`` back to slice the sequences, and with
+``validate_values=True`` a ``max_seqlen_k`` left None is computed from ``cu_seqlens_k`` (otherwise the
+kernels bound the key lengths by ``Tk``).
+
 Kernels take tensors and return tensors: nothing here knows of batches, guards or the run
 time's backends (who picks a kernel for a layer lives above, in :mod:`fusion_pass.runtime`).
 
@@ -59,12 +74,17 @@ from torch import Tensor
 from fusion_pass import nvfp4
 from fusion_pass.kernels import launchers, reference
 from fusion_pass.kernels.checks import (
+    assert_varlen_k_on_device,
+    assert_varlen_on_device,
     check_causal,
     check_destination,
     check_lses,
     check_outs,
     check_qkv,
+    check_rows_into_args,
+    check_scale_value,
     check_softmax_scale,
+    check_validate_values,
     check_varlen,
     check_varlen_k,
 )
@@ -78,7 +98,7 @@ from fusion_pass.kernels.choice import (
 )
 from fusion_pass.kernels.fa4.forward import fa4_attention_nvfp4_varlen, fa4_attention_varlen
 from fusion_pass.nvfp4 import ArgumentError
-from fusion_pass.nvfp4.checks import check_global_scale, check_rows_into, check_x, is_concrete
+from fusion_pass.nvfp4.checks import check_global_scale, check_x, is_concrete
 
 __all__ = [
     "attention",
@@ -102,6 +122,7 @@ def attention(
     backend: str = "auto",
     cu_seqlens_k: Tensor | None = None,
     max_seqlen_k: int | None = None,
+    validate_values: bool | str = "device",
 ) -> Tensor:
     """Varlen (flash) attention with output in the query dtype.
 
@@ -120,14 +141,20 @@ def attention(
             ``Tk``: sequence ``b``'s keys/values are rows ``[ck[b], ck[b+1])`` of k/v.
             Default: the queries' own tokens. With ``causal``, ``Lk >= Lq`` per sequence.
         max_seqlen_k: at least the longest key sequence (only with ``cu_seqlens_k``;
-            default: computed from it).
+            default: computed from it with ``validate_values=True``, else ``Tk`` bounds it).
+        validate_values: how the values of ``cu_seqlens`` / ``cu_seqlens_k`` are checked
+            (their shapes, dtypes and devices always are, on the host): ``"device"`` (default)
+            on their device, without reading them back (no synchronization; module docstring);
+            ``True`` read back and named in the error (one synchronization on CUDA);
+            ``False`` not at all.
 
     Returns:
         ``[T, H, Dv]`` in q's dtype.
     """
     fn = "attention"
     chosen, scale, max_seqlen_k = check_attention(
-        fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k, max_seqlen_k
+        fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k, max_seqlen_k,
+        validate_values=validate_values,
     )
     if chosen == "triton":
         from fusion_pass.kernels.triton.flash_attention import flash_attention
@@ -152,6 +179,7 @@ def attention_with_lse(
     causal: bool = True,
     softmax_scale: float | None = None,
     backend: str = "auto",
+    validate_values: bool | str = "device",
 ) -> tuple[Tensor, Tensor]:
     """Varlen attention in float32 with its log-sum-exp: a partial result to merge.
 
@@ -169,7 +197,8 @@ def attention_with_lse(
     """
     fn = "attention_with_lse"
     chosen, scale, max_seqlen_k = check_attention(
-        fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k, max_seqlen_k
+        fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k, max_seqlen_k,
+        validate_values=validate_values,
     )
     return launchers.attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                      cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
@@ -178,17 +207,32 @@ def attention_with_lse(
 
 
 def check_attention(fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k,
-                     max_seqlen_k, *, global_scale=None) -> tuple[str, float, int | None]:
+                    max_seqlen_k, *, global_scale=None, validate_values="device") -> tuple[str, float, int | None]:
     """Every check of the attention entry points (``global_scale`` too when given); returns
-    ``(backend, softmax scale, max_seqlen_k)``."""
+    ``(backend, softmax scale, max_seqlen_k)``. Shapes, dtypes, devices and host values first; then the values
+    of the tensors as ``validate_values`` says (read back, or asserted on their device: last, so that any
+    host-side mistake is reported before a kernel runs)."""
+    check_validate_values(fn, validate_values)
     check_qkv(fn, q, k, v, separate_kv=cu_seqlens_k is not None)
     check_causal(fn, causal)
-    lengths = check_varlen(fn, q, cu_seqlens, max_seqlen)
-    max_seqlen_k = check_varlen_k(fn, q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k, causal, lengths)
+    lengths = check_varlen(fn, q, cu_seqlens, max_seqlen, validate_values)
+    max_seqlen_k = check_varlen_k(fn, q, k, cu_seqlens, cu_seqlens_k, max_seqlen_k, causal, lengths,
+                                  validate_values)
     check_softmax_scale(fn, softmax_scale)
     if global_scale is not None:
-        check_global_scale(fn, global_scale, q.device)
+        check_global_scale(fn, global_scale, q.device, check_value=False)
     chosen = choose(fn, backend, q, v)
+    if global_scale is not None:  # NVFP4 output
+        h, dv = q.shape[1], v.shape[2]
+        if chosen != "reference" and dv % nvfp4.BLOCK_SIZE != 0:
+            raise ArgumentError(f"{fn}: backend {chosen!r} needs v's head dim Dv divisible by 16, got {dv}")
+        if (h * dv) % nvfp4.BLOCK_SIZE != 0:
+            raise ArgumentError(f"{fn}: H * Dv must be divisible by 16, got {h} * {dv} = {h * dv}")
+    if validate_values == "device":
+        assert_varlen_on_device(fn, q, cu_seqlens, max_seqlen)
+        assert_varlen_k_on_device(fn, k, cu_seqlens, cu_seqlens_k, max_seqlen_k, causal)
+    if global_scale is not None:
+        check_scale_value(fn, global_scale, validate_values)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     return chosen, scale, max_seqlen_k
 
@@ -206,12 +250,13 @@ def attention_nvfp4(
     backend: str = "auto",
     cu_seqlens_k: Tensor | None = None,
     max_seqlen_k: int | None = None,
+    validate_values: bool | str = "device",
 ) -> tuple[Tensor, Tensor]:
     """Varlen attention written directly as NVFP4, quantized from the float32 result.
 
-    Arguments as :func:`attention` (``cu_seqlens_k`` / ``max_seqlen_k`` included), plus
-    ``global_scale``: float32, one positive finite element, on q's device (``448 * 6 /
-    amax`` of the output, calibrated).
+    Arguments as :func:`attention` (``cu_seqlens_k`` / ``max_seqlen_k`` / ``validate_values``
+    included), plus ``global_scale``: float32, one positive finite element, on q's device
+    (``448 * 6 / amax`` of the output, calibrated; its value checked as ``validate_values`` says).
     ``H * Dv`` must be divisible by 16 (``Dv`` itself for ``triton``/``fa4``,
     whose epilogues quantize one head at a time).
 
@@ -224,14 +269,10 @@ def attention_nvfp4(
     fn = "attention_nvfp4"
     chosen, scale, max_seqlen_k = check_attention(
         fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k, max_seqlen_k,
-        global_scale=global_scale,
+        global_scale=global_scale, validate_values=validate_values,
     )
     t, h, _ = q.shape
     dv = v.shape[2]
-    if chosen != "reference" and dv % nvfp4.BLOCK_SIZE != 0:
-        raise ArgumentError(f"{fn}: backend {chosen!r} needs v's head dim Dv divisible by 16, got {dv}")
-    if (h * dv) % nvfp4.BLOCK_SIZE != 0:
-        raise ArgumentError(f"{fn}: H * Dv must be divisible by 16, got {h} * {dv} = {h * dv}")
     if chosen == "triton":
         from fusion_pass.kernels.triton.flash_attention import flash_attention_nvfp4
 
@@ -252,7 +293,7 @@ def attention_nvfp4(
 
 
 def quantize(x: Tensor, global_scale: Tensor, *, swizzled: bool = True,
-             backend: str = "auto") -> tuple[Tensor, Tensor]:
+             backend: str = "auto", validate_values: bool | str = "device") -> tuple[Tensor, Tensor]:
     """NVFP4-quantize ``x [..., K]``: :func:`fusion_pass.nvfp4.quantize`'s contract and bytes.
 
     Returns ``(packed uint8 [M, K/2], scales float8_e4m3fn)``, scales swizzled
@@ -261,14 +302,19 @@ def quantize(x: Tensor, global_scale: Tensor, *, swizzled: bool = True,
     ``backend``: ``auto`` (the Triton kernel for concrete CUDA tensors when Triton imports; the
     reference for CPU, meta and fake tensors and while torch.compile traces), ``triton`` (CUDA
     tensors, or CPU tensors under Triton's interpreter), ``reference`` (plain PyTorch, any device).
-    On the Triton path the global scale's value is not read back (no synchronization).
+    ``validate_values``: the global scale's value checked on its device without reading it back
+    (``"device"``, the default: no synchronization), read back and named in the error (``True``) or not
+    checked (``False``).
     """
     fn = "quantize"
     check_backend_name(fn, backend, QUANT_BACKENDS)
+    check_validate_values(fn, validate_values)
     if backend == "auto" and not is_concrete(x):
         backend = "reference"
-    check_x(fn, x, global_scale, check_value=not x.is_cuda)
-    if triton_or_reference(fn, backend, x.device) == "reference":
+    check_x(fn, x, global_scale, check_value=False)
+    chosen = triton_or_reference(fn, backend, x.device)
+    check_scale_value(fn, global_scale, validate_values)
+    if chosen == "reference":
         return nvfp4.quantize(x, global_scale, swizzled=swizzled)
     from fusion_pass.kernels.triton.quantize import quantize_launch
 
@@ -283,6 +329,7 @@ def quantize_rows_into(
     row_start: int,
     *,
     backend: str = "auto",
+    validate_values: bool | str = "device",
 ) -> None:
     """Quantize ``x [M, K]`` into rows ``[row_start, row_start + M)`` of a ``T``-row NVFP4 buffer pair.
 
@@ -296,13 +343,16 @@ def quantize_rows_into(
 
     ``backend``: ``auto`` (the Triton kernel for CUDA tensors, the reference
     otherwise), ``triton`` (CUDA tensors, or CPU tensors under Triton's interpreter),
-    ``reference`` (plain PyTorch, any device).
+    ``reference`` (plain PyTorch, any device). ``validate_values``: the global scale's value as
+    :func:`quantize` checks it.
     """
     fn = "quantize_rows_into"
     check_backend_name(fn, backend, QUANT_BACKENDS)
-    check_rows_into(fn, x, global_scale, packed, scales, row_start)
-    launchers.quantize_rows(x, global_scale, packed, scales, row_start,
-                            backend=triton_or_reference(fn, backend, x.device))
+    check_validate_values(fn, validate_values)
+    check_rows_into_args(fn, x, global_scale, packed, scales, row_start, False)
+    chosen = triton_or_reference(fn, backend, x.device)
+    check_scale_value(fn, global_scale, validate_values)
+    launchers.quantize_rows(x, global_scale, packed, scales, row_start, backend=chosen)
 
 
 def merge_attention_nvfp4(
@@ -316,6 +366,7 @@ def merge_attention_nvfp4(
     row_start: int,
     *,
     backend: str = "auto",
+    validate_values: bool | str = "device",
 ) -> None:
     """Merge two partial attention results and write them as NVFP4 into rows
     ``[row_start, row_start + M)`` of a ``T``-row buffer pair.
@@ -332,6 +383,8 @@ def merge_attention_nvfp4(
             ``[round_up(T, 128), round_up(H*Dv/16, 4)]``.
         row_start: an int with ``0 <= row_start`` and ``row_start + M <= T``.
         backend: ``auto``, ``triton`` or ``reference`` (below).
+        validate_values: the global scale's value checked on its device without reading it back
+            (``"device"``, the default), read back (``True``) or not checked (``False``).
 
     Writes the packed bytes and scale bytes of those rows only (padding scale
     columns as zero); no other byte, no padding row. Rows where both LSEs are
@@ -379,11 +432,14 @@ def merge_attention_nvfp4(
     """
     fn = "merge_attention_nvfp4"
     check_backend_name(fn, backend, MERGE_BACKENDS)
+    check_validate_values(fn, validate_values)
     check_outs(fn, out_a, out_b)
     check_lses(fn, lse_a, lse_b, out_a)
-    check_global_scale(fn, global_scale, out_a.device)
+    check_global_scale(fn, global_scale, out_a.device, check_value=False)
     check_destination(fn, packed, scales, row_start, out_a)
-    if choose_merge(fn, backend, out_a) == "triton":
+    chosen = choose_merge(fn, backend, out_a)
+    check_scale_value(fn, global_scale, validate_values)
+    if chosen == "triton":
         launchers.merge_nvfp4_rows("triton", out_a, lse_a, out_b, lse_b, global_scale, packed, scales, row_start)
     else:
         reference.merge_nvfp4(out_a, lse_a, out_b, lse_b, global_scale, packed, scales, row_start)

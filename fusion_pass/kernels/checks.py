@@ -1,9 +1,13 @@
 """Argument checks of the kernels' entry points, and the padding fill both NVFP4 attention launchers do
 before their kernel runs.
 
-Shape, dtype and device checks do no device work; :func:`check_varlen` and :func:`check_varlen_k` read
-``cu_seqlens`` / ``cu_seqlens_k`` back (one small copy each): only the validated entry points call them.
-Errors are :class:`fusion_pass.nvfp4.ArgumentError` (a ValueError and a TypeError) naming the argument."""
+Shape, dtype and device checks do no device work. The values of device tensors (``cu_seqlens``,
+``cu_seqlens_k``, the global scale) are checked as the entry point's ``validate_values`` says
+(:data:`VALIDATE_VALUES`): ``True`` reads them back (one small copy each, a synchronization on CUDA) and names
+them in the error; ``"device"`` computes the check on the tensors' device and asserts it there
+(:func:`torch._assert_async`: at once on the CPU, at the next synchronization on CUDA), reading nothing back;
+``False`` checks no value. Errors are :class:`fusion_pass.nvfp4.ArgumentError` (a ValueError and a TypeError)
+naming the argument."""
 
 from __future__ import annotations
 
@@ -13,9 +17,25 @@ import torch
 from torch import Tensor
 
 from fusion_pass import nvfp4
-from fusion_pass.nvfp4.checks import ArgumentError, check_row_range, check_tensor
+from fusion_pass.nvfp4.checks import (
+    ArgumentError,
+    check_global_scale,
+    check_row_range,
+    check_tensor,
+    check_x,
+    is_concrete,
+)
+from fusion_pass.nvfp4.layout import GLOBAL_SCALE_MAX
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+VALIDATE_VALUES = (True, "device", False)
+"""What ``validate_values=`` of the entry points takes: ``True`` (read the values back: a synchronization on
+CUDA, an error naming them), ``"device"`` (the default: checked on the device, nothing read back), ``False``
+(values not checked)."""
+
+_INT32_MAX = 2**31 - 1
+_DEVICE_NOTE = "(checked on the device, not read back; validate_values=True names the offending values)"
 
 
 def describe(t) -> str:
@@ -103,6 +123,51 @@ def zero_nvfp4_scale_padding(scale_bytes: Tensor, t: int, width: int) -> None:
         scale_bytes.view(-1, col_tiles, 32, 4, 4)[:, -1, :, :, blocks % 4 :].zero_()
 
 
+def check_validate_values(fn: str, validate_values) -> None:
+    """``validate_values`` is one of :data:`VALIDATE_VALUES`."""
+    if not (validate_values is True or validate_values is False or validate_values == "device"):
+        raise ArgumentError(f"{fn}: validate_values must be True, \"device\" or False, got {validate_values!r}")
+
+
+def _short(message: str, limit: int = 254) -> str:
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def assert_on_device(ok: Tensor, message: str) -> None:
+    """Assert the one-element bool tensor ``ok`` where it lives, reading nothing back: on the CPU at once (an
+    :class:`ArgumentError` with ``message``), on CUDA when the stream next synchronizes (a device-side
+    assertion, which CUDA makes fatal to the process's CUDA context)."""
+    if ok.device.type != "cpu":
+        torch._assert_async(ok, _short(message))  # CUDA's device-side assertion takes < 255 characters
+        return
+    try:
+        torch._assert_async(ok, message)
+    except RuntimeError:
+        raise ArgumentError(message) from None
+
+
+def _on_device(rows: list[list[int]], device: torch.device) -> Tensor:
+    """int32 ``rows`` on ``device`` without blocking the host (through pinned memory to CUDA)."""
+    if device.type == "cpu":
+        return torch.tensor(rows, dtype=torch.int32)
+    return torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
+
+
+def _within(values: Tensor, lower: list[int], upper: list[int]) -> Tensor:
+    """One-element bool tensor: every element of int32 ``values`` lies in ``[lower[i], upper[i]]`` (no read)."""
+    bounds = _on_device([lower, upper], values.device)
+    return values.clamp(bounds[0], bounds[1]).eq(values).all()
+
+
+def _offsets_bounds(total: int, n: int, max_len: int | None) -> tuple[list[int], list[int]]:
+    """Bounds of ``offsets [n]`` followed by their ``n - 1`` steps: ``0 = o[0] <= o[i] <= o[n-1] = total``, steps
+    in ``[0, max_len]``."""
+    top = _INT32_MAX if max_len is None else min(max_len, _INT32_MAX)
+    lower = [0] * (n - 1) + [total] + [0] * (n - 1)
+    upper = [0] + [total] * (n - 1) + [top] * (n - 1)
+    return lower, upper
+
+
 def _lengths(fn: str, name: str, offsets: Tensor, what: str, total: int) -> list[int]:
     """The sequence lengths of ``offsets`` (read back: one small copy), which must rise from 0 to ``total``."""
     starts = offsets.tolist()
@@ -113,8 +178,10 @@ def _lengths(fn: str, name: str, offsets: Tensor, what: str, total: int) -> list
     return lengths
 
 
-def check_varlen(fn: str, q: Tensor, cu_seqlens, max_seqlen) -> list[int]:
-    """Checks ``cu_seqlens``'s values too: one small device-to-host copy. Returns the sequence lengths."""
+def check_varlen(fn: str, q: Tensor, cu_seqlens, max_seqlen, validate_values=True) -> list[int] | None:
+    """``cu_seqlens`` (a 1-D int32 ``[B + 1]`` on q's device) and ``max_seqlen`` (an int). Its values as
+    ``validate_values`` says (module docstring): with ``True`` one small device-to-host copy, and the sequence
+    lengths are returned; otherwise None."""
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
         raise ArgumentError(f"{fn}: cu_seqlens must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens)}")
     if cu_seqlens.numel() < 2:
@@ -123,32 +190,102 @@ def check_varlen(fn: str, q: Tensor, cu_seqlens, max_seqlen) -> list[int]:
         raise ArgumentError(f"{fn}: cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise ArgumentError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
-    lengths = _lengths(fn, "cu_seqlens", cu_seqlens, f"T={q.shape[0]}", q.shape[0])
-    if max(lengths) > max_seqlen:
-        raise ArgumentError(f"{fn}: max_seqlen={max_seqlen} is smaller than the longest sequence ({max(lengths)})")
-    return lengths
+    t = q.shape[0]
+    if validate_values is True:
+        lengths = _lengths(fn, "cu_seqlens", cu_seqlens, f"T={t}", t)
+        if max(lengths) > max_seqlen:
+            raise ArgumentError(
+                f"{fn}: max_seqlen={max_seqlen} is smaller than the longest sequence ({max(lengths)})")
+        return lengths
+    return None
+
+
+def assert_varlen_on_device(fn: str, q: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> None:
+    """:func:`check_varlen`'s value checks on ``cu_seqlens``'s device (``validate_values="device"``; its shape
+    checked already): rises from 0 to ``T`` without decreasing, no step above ``max_seqlen``. A few small
+    kernels and one pinned host-to-device copy; nothing read back."""
+    if not is_concrete(cu_seqlens):
+        return
+    t = q.shape[0]
+    ok = _within(torch.cat((cu_seqlens, cu_seqlens.diff())), *_offsets_bounds(t, cu_seqlens.numel(), max_seqlen))
+    assert_on_device(ok, f"{fn}: cu_seqlens must rise from 0 to T={t} without decreasing, no sequence longer "
+                         f"than max_seqlen={max_seqlen} {_DEVICE_NOTE}")
 
 
 def check_varlen_k(fn: str, q: Tensor, k: Tensor, cu_seqlens, cu_seqlens_k, max_seqlen_k, causal,
-                    lengths_q: list[int]) -> int | None:
-    """``cu_seqlens_k``'s shape and values (one more small copy): rises from 0 to ``Tk``, covered by
-    ``max_seqlen_k``, and with ``causal`` no sequence has fewer keys than queries. Returns
-    ``max_seqlen_k`` (the longest key sequence when ``None`` was given)."""
+                   lengths_q: list[int] | None, validate_values=True) -> int | None:
+    """``cu_seqlens_k``'s shape, and its values as ``validate_values`` says: rises from 0 to ``Tk``, covered by
+    ``max_seqlen_k``, and with ``causal`` no sequence has fewer keys than queries. Returns ``max_seqlen_k``:
+    with ``True`` (one more small copy; ``lengths_q`` the query lengths :func:`check_varlen` returned) the
+    longest key sequence when ``None`` was given; otherwise as given (``None``: the kernels bound the key
+    lengths by ``Tk``)."""
     check_max_seqlen_k(fn, max_seqlen_k, cu_seqlens_k)
     if cu_seqlens_k is None:
         return None
     check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
-    lengths = _lengths(fn, "cu_seqlens_k", cu_seqlens_k, f"Tk={k.shape[0]} (k's tokens)", k.shape[0])
-    if max_seqlen_k is not None and max(lengths) > max_seqlen_k:
-        raise ArgumentError(f"{fn}: max_seqlen_k={max_seqlen_k} is smaller than the longest key sequence ({max(lengths)})")
-    if causal:
-        for b, (lq, lk) in enumerate(zip(lengths_q, lengths)):
-            if lk < lq:
-                raise ArgumentError(
-                    f"{fn}: cu_seqlens_k gives sequence {b} {lk} keys for its {lq} queries; causal attention "
-                    f"aligns the queries to the end of the keys and needs Lk >= Lq"
-                )
-    return max(lengths) if max_seqlen_k is None else max_seqlen_k
+    tk = k.shape[0]
+    if validate_values is True:
+        lengths = _lengths(fn, "cu_seqlens_k", cu_seqlens_k, f"Tk={tk} (k's tokens)", tk)
+        if max_seqlen_k is not None and max(lengths) > max_seqlen_k:
+            raise ArgumentError(
+                f"{fn}: max_seqlen_k={max_seqlen_k} is smaller than the longest key sequence ({max(lengths)})")
+        if causal:
+            for b, (lq, lk) in enumerate(zip(lengths_q, lengths)):
+                if lk < lq:
+                    raise ArgumentError(
+                        f"{fn}: cu_seqlens_k gives sequence {b} {lk} keys for its {lq} queries; causal attention "
+                        f"aligns the queries to the end of the keys and needs Lk >= Lq"
+                    )
+        return max(lengths) if max_seqlen_k is None else max_seqlen_k
+    return max_seqlen_k
+
+
+def assert_varlen_k_on_device(fn: str, k: Tensor, cu_seqlens: Tensor, cu_seqlens_k: Tensor | None,
+                              max_seqlen_k: int | None, causal: bool) -> None:
+    """:func:`check_varlen_k`'s value checks on the device (``validate_values="device"``; shapes checked
+    already): ``cu_seqlens_k`` rises from 0 to ``Tk``, no step above ``max_seqlen_k``, and with ``causal`` no
+    sequence has fewer keys than queries. Nothing read back."""
+    if cu_seqlens_k is None or not is_concrete(cu_seqlens_k):
+        return
+    tk = k.shape[0]
+    n = cu_seqlens_k.numel()
+    steps = cu_seqlens_k.diff()
+    lower, upper = _offsets_bounds(tk, n, max_seqlen_k)
+    parts = [cu_seqlens_k, steps]
+    if causal:  # Lk - Lq >= 0 per sequence
+        parts.append(steps - cu_seqlens.diff())
+        lower, upper = lower + [0] * (n - 1), upper + [_INT32_MAX] * (n - 1)
+    bound = "" if max_seqlen_k is None else f", no key sequence longer than max_seqlen_k={max_seqlen_k}"
+    assert_on_device(_within(torch.cat(parts), lower, upper),
+                     f"{fn}: cu_seqlens_k must rise from 0 to Tk={tk} (k's tokens) without decreasing{bound}"
+                     + ("; causal attention needs Lk >= Lq for every sequence" if causal else "")
+                     + f" {_DEVICE_NOTE}")
+
+
+def check_scale_value(fn: str, global_scale: Tensor, validate_values) -> None:
+    """The global scale's value (its type, dtype, shape and device checked already) as ``validate_values``
+    says: read back (``True``), asserted on its device (``"device"``) or not checked (``False``)."""
+    if validate_values is True:
+        check_global_scale(fn, global_scale, global_scale.device)
+    elif validate_values == "device" and is_concrete(global_scale):
+        # NaN fails the comparison, +-inf and 0 are clamped away from themselves
+        ok = global_scale.clamp(min=torch.finfo(torch.float32).smallest_normal * 2**-23, max=GLOBAL_SCALE_MAX)
+        assert_on_device(ok.eq(global_scale).reshape(()),
+                         f"{fn}: global_scale must be positive and finite and at most {GLOBAL_SCALE_MAX!r} "
+                         f"{_DEVICE_NOTE}")
+
+
+def check_rows_into_args(fn: str, x, global_scale, packed, scales, row_start, validate_values) -> None:
+    """:func:`fusion_pass.nvfp4.checks.check_rows_into` with the global scale's value as ``validate_values``
+    says (checked last)."""
+    for name, t in (("x", x), ("packed", packed)):
+        check_tensor(fn, name, t)
+    if x.dim() != 2:
+        raise ArgumentError(f"{fn}: x must be a 2-D tensor [M, K] (got shape {list(x.shape)})")
+    check_x(fn, x, global_scale, check_value=False)
+    m, k = x.shape
+    check_row_range(fn, packed, scales, row_start, m, k, x.device)
+    check_scale_value(fn, global_scale, validate_values)
 
 
 def check_softmax_scale(fn: str, softmax_scale) -> None:

@@ -20,11 +20,21 @@ __all__ = ["layer_shape", "run"]
 
 def layer_shape(impl, q: Tensor, inputs: tuple = ()) -> guard.LayerShape:
     """What a backend must support for ``impl`` (an MLA or standard runtime) called with ``q`` (and the call's
-    ``inputs``: the dtype of its key/value inputs when it is not q's)."""
-    qk = impl.qk_nope_head_dim + impl.qk_rope_head_dim if hasattr(impl, "qk_nope_head_dim") else impl.head_dim
-    others = [x.dtype for x in inputs[1:] if x.dtype != q.dtype]
-    return guard.LayerShape(q.device, q.dtype, impl.num_heads, qk, impl.v_head_dim, others[0] if others else None,
-                            getattr(impl, "num_kv_heads", None))
+    ``inputs``: the dtype of its key/value inputs when it is not q's). One object per layer and (device, dtype,
+    key/value dtype), made on the layer's first such call (the layer's dims never change)."""
+    kv_dtype = None
+    for x in inputs[1:]:
+        if x.dtype != q.dtype:
+            kv_dtype = x.dtype
+            break
+    key = (q.device, q.dtype, kv_dtype)
+    shapes = impl.__dict__.setdefault("_layer_shapes", {})
+    shape = shapes.get(key)
+    if shape is None:
+        qk = impl.qk_nope_head_dim + impl.qk_rope_head_dim if hasattr(impl, "qk_nope_head_dim") else impl.head_dim
+        shape = shapes[key] = guard.LayerShape(q.device, q.dtype, impl.num_heads, qk, impl.v_head_dim, kv_dtype,
+                                               getattr(impl, "num_kv_heads", None))
+    return shape
 
 
 def _write_output(out: Tensor, dtype: torch.dtype, output: Tensor, output_scale, output_block_scale) -> None:

@@ -12,6 +12,7 @@ import numbers
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -121,11 +122,14 @@ class BatchSpec:
             dcp_world_size=dcp_world_size,
         )
 
-    @property
+    # The derived facts below are computed once per spec (a spec is immutable; one step's spec is read by every
+    # attention layer of the model): cached_property stores them in the instance's __dict__, outside the fields.
+
+    @cached_property
     def num_tokens(self) -> int:
         return sum(r.query_len for r in self.requests)
 
-    @property
+    @cached_property
     def num_decodes(self) -> int:
         return sum(1 for r in self.requests if r.is_decode)
 
@@ -138,7 +142,7 @@ class BatchSpec:
     def num_prefills(self) -> int:
         return len(self.requests) - self.num_decodes
 
-    @property
+    @cached_property
     def has_chunked_prefill(self) -> bool:
         return any(r.is_chunked_prefill for r in self.requests)
 
@@ -152,12 +156,16 @@ class BatchSpec:
             return "mixed"
         return "chunked" if self.has_chunked_prefill else "prefill"
 
-    def query_start_loc(self) -> list[int]:
-        """Cumulative token offsets, length ``len(requests) + 1``, starting at 0."""
+    @cached_property
+    def _query_start_loc(self) -> tuple[int, ...]:
         locs = [0]
         for r in self.requests:
             locs.append(locs[-1] + r.query_len)
-        return locs
+        return tuple(locs)
+
+    def query_start_loc(self) -> list[int]:
+        """Cumulative token offsets, length ``len(requests) + 1``, starting at 0 (a new list)."""
+        return list(self._query_start_loc)
 
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """int64 ``[num_tokens]``: each token's absolute position in its request."""

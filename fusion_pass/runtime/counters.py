@@ -8,8 +8,17 @@ once a layer is unregistered: registering a layer under a name starts that name'
 (:func:`forget_layer`), so a name's counts are those of the layer registered under it now (or last). The first
 fallback of each reason is logged at INFO on the ``"fusion_pass"`` logger, so a fallback is never silent.
 
-Listeners (:func:`add_listener`) are called after every change of the counters, outside their lock, in the
-thread that recorded: they must be cheap (the vLLM integration's report file only wakes its writer thread).
+Cheap per call: :func:`record` runs once per attention layer per step (inside a serving engine, between the
+layers' kernels), so it only validates the decision, appends ``(decision, layer name)`` to a list and checks two
+flags; the sums are built when something reads them (:func:`counters`, :func:`forget_layer`) or when
+:data:`FOLD_AT` calls wait, grouped by decision object (the guard hands the same object to every layer of a step
+and to every decode-only step of a size). What a reader sees is exactly what a per-call sum would give.
+
+Listeners (:func:`add_listener`) learn that the counters changed: a listener is called on the first change after
+it was added or after the counters were last read (so a listener that reads the counters, or wakes a thread
+that does, is called again after the next change; one that never reads them is called once), outside the
+counters' lock, in the thread that recorded. The per-call cost is one flag test; the vLLM integration's report
+file only wakes its writer thread, which reads the counters when it writes.
 """
 
 from __future__ import annotations
@@ -20,9 +29,14 @@ from typing import Any, Callable, Iterable
 
 from fusion_pass.runtime.guard import Decision
 
-__all__ = ["add_listener", "counters", "forget_layer", "record", "remove_listener", "reset_counters"]
+__all__ = ["FOLD_AT", "add_listener", "counters", "forget_layer", "record", "remove_listener", "reset_counters"]
 
 logger = logging.getLogger("fusion_pass")
+
+FOLD_AT = 4096
+"""Recorded calls waiting at most before :func:`record` adds them up (bounds the memory they hold)."""
+
+_PATHS = frozenset(("fused", "partial", "fallback"))
 
 
 class _Counts:
@@ -37,59 +51,97 @@ class _Counts:
         self.prefill_fused = 0
         self.post_quantized: dict[str, int] = {}
 
-    def add(self, decision: Decision) -> None:
+    def add(self, decision: Decision, calls: int = 1) -> None:
+        """Count ``calls`` calls that took ``decision``."""
         if decision.fused:
-            self.fused_by_backend[decision.backend] = self.fused_by_backend.get(decision.backend, 0) + 1
+            self.fused_by_backend[decision.backend] = self.fused_by_backend.get(decision.backend, 0) + calls
         else:
-            self.fallback[decision.reason] = self.fallback.get(decision.reason, 0) + 1
-        self.prefill += decision.prefill_tokens
-        self.prefill_fused += decision.fused_tokens
+            self.fallback[decision.reason] = self.fallback.get(decision.reason, 0) + calls
+        self.prefill += decision.prefill_tokens * calls
+        self.prefill_fused += decision.fused_tokens * calls
         for reason, n in decision.post_quantized.items():
-            self.post_quantized[reason] = self.post_quantized.get(reason, 0) + n
+            self.post_quantized[reason] = self.post_quantized.get(reason, 0) + n * calls
 
 
 _lock = threading.Lock()
 _total = _Counts()
 _by_layer: dict[str, _Counts] = {}
-_logged_reasons: set[str] = set()
+_pending: list = []  # (decision, layer name or None) per recorded call not yet added up; appended without the lock
+_logged_reasons: set = {None}  # reasons logged (None: fused decisions, never logged)
 _listeners: list[Callable[[], None]] = []
+_armed = False  # call the listeners at the next record (set when they may not know of the last change)
+
 
 def record(decision: Decision, layer_name: str | None = None) -> None:
     """Count ``decision`` in the process total and, given ``layer_name``, under that layer; log the first
     fallback of each reason at INFO."""
-    if decision.path not in ("fused", "partial", "fallback"):
+    if decision.path not in _PATHS:
         raise ValueError(f"decision.path must be 'fused', 'partial' or 'fallback', got {decision.path!r}")
     if layer_name is not None and not isinstance(layer_name, str):
         raise ValueError(f"record: layer_name must be a str or None, got {type(layer_name).__name__} "
                          f"{layer_name!r}")
-    log = False
+    _pending.append((decision, layer_name))
+    if len(_pending) >= FOLD_AT:
+        with _lock:
+            _fold()
+    if decision.reason not in _logged_reasons:
+        _log_first(decision)
+    if _armed:
+        _notify()
+
+
+def _fold() -> None:
+    """Add the waiting calls to the sums (with ``_lock`` held). Calls appended meanwhile (by a thread that does
+    not hold the lock) stay for the next fold: only the ones read are removed, from the front."""
+    n = len(_pending)
+    if not n:
+        return
+    batch = _pending[:n]
+    del _pending[:n]
+    groups: dict = {}
+    for decision, name in batch:  # the batch holds every decision, so ids are unique here
+        key = (id(decision), name)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [decision, name, 1]
+        else:
+            group[2] += 1
+    for decision, name, calls in groups.values():
+        _total.add(decision, calls)
+        if name is not None:
+            counts = _by_layer.get(name)
+            if counts is None:
+                counts = _by_layer[name] = _Counts()
+            counts.add(decision, calls)
+
+
+def _log_first(decision: Decision) -> None:
     with _lock:
-        _total.add(decision)
-        if layer_name is not None:
-            _by_layer.setdefault(layer_name, _Counts()).add(decision)
-        if not decision.fused and decision.reason not in _logged_reasons:
-            _logged_reasons.add(decision.reason)
-            log = True
-        listeners = tuple(_listeners)
-    _notify(listeners)
-    if log:
-        logger.info(
-            "fusion_pass: fused attention+NVFP4 quant fell back to the unfused path (reason: %s; %s); "
-            "further fallbacks for this reason are only counted (fusion_pass.runtime.counters.counters())",
-            decision.reason,
-            decision.detail or "no detail",
-        )
+        if decision.reason in _logged_reasons:
+            return
+        _logged_reasons.add(decision.reason)
+    if decision.fused:
+        return
+    logger.info(
+        "fusion_pass: fused attention+NVFP4 quant fell back to the unfused path (reason: %s; %s); "
+        "further fallbacks for this reason are only counted (fusion_pass.runtime.counters.counters())",
+        decision.reason,
+        decision.detail or "no detail",
+    )
 
 
 def add_listener(listener: Callable[[], None]) -> None:
-    """Call ``listener()`` (no arguments) after every change of the counters (:func:`record`,
-    :func:`reset_counters`), outside the counters' lock. A listener that raises is removed, with a warning
-    naming it and the exception. Adding the same listener twice adds it once."""
+    """Call ``listener()`` (no arguments) on the first change of the counters (:func:`record`,
+    :func:`reset_counters`) after it was added or after the counters were last read (module docstring), outside
+    the counters' lock. A listener that raises is removed, with a warning naming it and the exception. Adding
+    the same listener twice adds it once."""
+    global _armed
     if not callable(listener):
         raise ValueError(f"add_listener: listener must be callable, got {type(listener).__name__} {listener!r}")
     with _lock:
         if listener not in _listeners:
             _listeners.append(listener)
+        _armed = True
 
 
 def remove_listener(listener: Callable[[], None]) -> None:
@@ -100,8 +152,10 @@ def remove_listener(listener: Callable[[], None]) -> None:
         _listeners.remove(listener)
 
 
-def _notify(listeners) -> None:
-    for listener in listeners:
+def _notify() -> None:
+    global _armed
+    _armed = False
+    for listener in tuple(_listeners):
         try:
             listener()
         except Exception as exc:
@@ -131,12 +185,15 @@ def counters(layers: Iterable[str] | str | None = None) -> dict[str, Any]:
     them): the sum over the calls counted under those layers (a name never counted adds nothing, so an
     empty list gives zeros).
     """
+    global _armed
     names = None if layers is None else _layer_names(layers)
     fused_by_backend: dict[str, int] = {}
     fallback: dict[str, int] = {}
     post: dict[str, int] = {}
     prefill = prefill_fused = 0
     with _lock:
+        _armed = bool(_listeners)  # before the read: a call recorded from here on reaches the listeners
+        _fold()
         sources = [_total] if names is None else [_by_layer[n] for n in dict.fromkeys(names) if n in _by_layer]
         for c in sources:
             for target, source in ((fused_by_backend, c.fused_by_backend), (fallback, c.fallback),
@@ -157,6 +214,7 @@ def forget_layer(layer_name: str) -> None:
     """Drop ``layer_name``'s own counts (the process total keeps them): a new layer registered under the name
     (:func:`fusion_pass.runtime.register_layer` calls this) starts from zero."""
     with _lock:
+        _fold()  # calls recorded so far belong to the layer registered under the name until now
         _by_layer.pop(layer_name, None)
 
 
@@ -164,8 +222,9 @@ def reset_counters() -> None:
     """Zero the counters (the total and every layer's); the next fallback of each reason is logged again."""
     global _total
     with _lock:
+        del _pending[:]
         _total = _Counts()
         _by_layer.clear()
         _logged_reasons.clear()
-        listeners = tuple(_listeners)
-    _notify(listeners)
+        _logged_reasons.add(None)
+    _notify()

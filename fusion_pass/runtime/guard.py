@@ -66,10 +66,15 @@ class BatchRows:
 
     @classmethod
     def from_spec(cls, spec: Any) -> "BatchRows":
-        """The rows of a :class:`~fusion_pass.runtime.BatchSpec`."""
-        prefills = spec.requests[spec.num_decodes:]
-        return cls(spec.num_decode_tokens, tuple(r.query_len for r in prefills),
-                   tuple(r.context_len for r in prefills), spec.dcp_world_size)
+        """The rows of a :class:`~fusion_pass.runtime.BatchSpec`: made once per spec (a spec is immutable, and
+        one step's spec is read by every attention layer), kept in the spec's ``__dict__`` beside its own
+        cached facts."""
+        rows = spec.__dict__.get("_batch_rows")
+        if rows is None:
+            prefills = spec.requests[spec.num_decodes:]
+            rows = spec.__dict__["_batch_rows"] = cls(spec.num_decode_tokens, tuple(r.query_len for r in prefills),
+                                                      tuple(r.context_len for r in prefills), spec.dcp_world_size)
+        return rows
 
     @property
     def prefill_tokens(self) -> int:

@@ -137,7 +137,7 @@ class MLAAttentionImpl(CachedLayer):
 
     def prefill_qkv(
         self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, spec: BatchSpec,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None, *, check: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ContextRows]:
         """Dense inputs of a varlen flash-attention kernel for a batch of prefills (no decode rows), appending
         the new latents to the cache as :meth:`forward` does.
@@ -149,7 +149,8 @@ class MLAAttentionImpl(CachedLayer):
         """
         if spec.num_decode_tokens != 0:
             raise ValueError(f"prefill_qkv takes prefills only; got a {spec.kind!r} batch")
-        self.check_inputs(q, kv_c_normed, k_pe, spec)  # side-effect free: before the cache changes
+        if check:  # ``check=False``: the caller checked these very inputs against ``spec`` (the attention op)
+            self.check_inputs(q, kv_c_normed, k_pe, spec)  # side-effect free: before the cache changes
         k_pe = k_pe.reshape(spec.num_tokens, self.qk_rope_head_dim)
         latent = torch.cat([kv_c_normed, k_pe], dim=-1)  # [T, L + rope], input dtype
         locs = spec.query_start_loc()

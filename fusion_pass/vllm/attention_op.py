@@ -6,11 +6,19 @@ Their schemas mirror vLLM's ``unified_attention_with_output`` / ``unified_mla_at
 pass only retargets the call. ``output`` is the quant's packed uint8 ``[T, H*Dv/2]`` buffer,
 ``output_scale`` the global scale, ``output_block_scale`` the quant's int32 swizzled scale buffer.
 
-Per call, the guard (:func:`fusion_pass.vllm.guard.decide`) reads the layer, its attention metadata, its KV
-cache and settings from vLLM's forward context (``get_attention_context``) and decides row by row with the
-shared core, :func:`fusion_pass.runtime.guard.decide`, from host-side values only (no device read: the decision
-and the fallback can be captured in a CUDA graph). ``docs/vllm.md`` ("What runs, per call") lists what is fused and
-every reason for the exact fallback. Fused (path ``"fused"``): every prefill row is written by the fused backend
+Per call, the op reads the layer, its attention metadata and its KV cache from vLLM's forward context, and the
+guard (:mod:`fusion_pass.vllm.guard`) decides row by row with the shared core,
+:func:`fusion_pass.runtime.guard.decide`, from host-side values only (no device read: the decision and the fallback
+can be captured in a CUDA graph). ``docs/vllm.md`` ("What runs, per call") lists what is fused and every reason for
+the exact fallback.
+
+Cheap per call (the op runs once per layer per step): what the calls of one step share is kept on vLLM's metadata
+object (:class:`_Step`): the environment check, the decision of a decode-only step (the steps of steady decoding:
+their calls take the exact fallback without asking the guard), the fallback's temporary. A step with prefill rows
+asks the guard per call, which keeps its decision per step for layers that read alike. The count is one append
+(:func:`fusion_pass.runtime.counters.record`); the first call of each path is logged once.
+
+Fused (path ``"fused"``): every prefill row is written by the fused backend
 :func:`fusion_pass.runtime.backends.select_backend` picks (:func:`fusion_pass.vllm.fused_rows.run_fused`); decode
 rows beside them are computed by vLLM (MLA: its ``forward_impl`` on rows ``[0, D)``; standard layers: the
 backend's adapter on the decode requests alone, :mod:`fusion_pass.vllm.adapters`) and quantized by the unfused
@@ -37,7 +45,7 @@ import torch
 from fusion_pass.runtime import counters, settings
 from fusion_pass.vllm import fused_rows
 from fusion_pass.vllm.adapters import install_host_hooks
-from fusion_pass.vllm.guard import decide, layer_name_of
+from fusion_pass.vllm.guard import decide, decide_rows, decode_only_decision, layer_name_of
 
 __all__ = ["register"]
 
@@ -57,7 +65,8 @@ _environ_keys = tuple(os.environ.encodekey(name) for name in _ENVIRONMENT) if _e
 
 def _check_environment() -> None:
     """:func:`fusion_pass.runtime.settings.check_environment` whenever the variables differ from the last values
-    checked (a bad value raises on every call, as the runtime's ops do; a good one is parsed once)."""
+    checked (a bad value raises at every check, as the runtime's ops do; a good one is parsed once). The op checks
+    at the first call of each step (and at every call without metadata)."""
     global _checked_environment
     if _environ_data is not None:
         a, b, c = _environ_keys
@@ -69,16 +78,36 @@ def _check_environment() -> None:
         _checked_environment = raw
 
 
-@functools.lru_cache(maxsize=None)
-def _attention_module():
-    from vllm.model_executor.layers.attention import attention
-
-    return attention
+_forward_context_module = None  # vllm.forward_context, imported at the first call
 
 
 def _context(layer_name):
-    """``(attention metadata, layer, KV cache)`` of ``layer_name`` from vLLM's forward context."""
-    return _attention_module().get_attention_context(layer_name)[:3]
+    """``(attention metadata, layer, KV cache)`` of ``layer_name`` from vLLM's forward context: what vLLM's
+    ``get_attention_context`` (vllm/model_executor/layers/attention/attention.py) returns, read from the
+    ``ForwardContext`` fields directly (``attn_metadata``: one metadata per layer name, or a list of such dicts of
+    which the first is the model's; ``no_compile_layers``: the layers by name), without the slot mapping."""
+    global _forward_context_module
+    if _forward_context_module is None:
+        from vllm import forward_context
+
+        _forward_context_module = forward_context
+    context = _forward_context_module._forward_context
+    if context is None:
+        context = _forward_context_module.get_forward_context()  # vLLM's own error: no forward context set
+    md = context.attn_metadata
+    if isinstance(md, dict):
+        md = md[layer_name]
+    elif isinstance(md, list):
+        md = md[0][layer_name]
+    layer = context.no_compile_layers[layer_name]
+    return md, layer, layer.kv_cache
+
+
+@functools.lru_cache(maxsize=None)
+def _kv_transfer_utils():
+    from vllm.model_executor.layers.attention import kv_transfer_utils
+
+    return kv_transfer_utils
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,62 +123,107 @@ def _with_kv_transfer():
     return maybe_transfer_kv_layer(call)
 
 
-def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads) -> None:
-    _check_environment()
-    name = layer_name_of(layer_name)
-    md, layer, kv_cache = _context(name)
-    decision = decide(name, inputs[0], md, layer, kv_cache)
-    if decision.fused:  # the exact fallback calls vLLM's op, which runs the KV-connector hooks itself
-        _with_kv_transfer()(name, lambda: run_fused(decision.backend, md, layer, kv_cache, inputs, output,
-                                                     output_scale, output_block_scale))
-    else:
-        _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, md)
-    counters.record(decision, layer_name=name)
-    key = decision.reason or decision.backend
-    if key not in _logged:  # vLLM shows its own loggers; each path is named once per process
-        _logged.add(key)
-        what = f"fused with backend {decision.backend}" if decision.fused else f"fell back ({decision.reason})"
-        logger.info("fusion_pass: %s: attention + NVFP4 quant %s: %s; further calls are only counted",
-                    name, what, decision.detail or "no detail")
+_STEP = "_fusion_pass_step"  # the _Step kept on a metadata object
 
 
-_STEP_BUFFER = "_fusion_pass_unfused_buffer"
+class _Step:
+    """What the calls of one step share, kept on vLLM's metadata object (one per step and KV-cache group, shared
+    by the layers of the group): ``decision``, the decision of every call of a decode-only step (None: decided
+    per call), and ``buffer``, the fallback's temporary (:func:`_run_unfused`). ``md_id``: the object it was made for
+    (a shallow copy of the metadata carries the attribute, not the identity)."""
 
+    __slots__ = ("md_id", "decision", "buffer")
 
-def _buffer(md, tokens: int, width: int, heads, dtype, device):
-    """``(tmp [T, H*Dv], the view vLLM's op writes)`` of the query dtype: one per step, kept on vLLM's metadata
-    object and reused by every layer of the step (their calls run one after the other on one stream, each
-    quantizing the buffer before the next writes it); without metadata, or while a CUDA graph is captured (its
-    temporaries stay the capture's), a fresh one."""
-    if md is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        md = None
-    key = (tokens, width, heads, dtype, device)
-    kept = getattr(md, _STEP_BUFFER, None) if md is not None else None
-    if kept is not None and kept[0] == key:
-        return kept[1], kept[2]
-    tmp = torch.empty(tokens, width, dtype=dtype, device=device)
-    target = tmp if heads is None else tmp.view(tokens, heads, width // heads)
-    if md is not None:
+    def __init__(self, md, name):
+        _check_environment()
+        self.md_id = id(md)
+        self.buffer = None
+        self.decision = decision = decode_only_decision(md)
+        if decision is not None:
+            _log_path(name, decision)
         try:
-            setattr(md, _STEP_BUFFER, (key, tmp, target))
-        except AttributeError:  # slotted or frozen metadata
+            setattr(md, _STEP, self)
+        except AttributeError:  # slotted or frozen metadata: a step per call
             pass
-    return tmp, target
 
 
-def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, md=None) -> None:
-    """vLLM's attention into a temporary of the query dtype, then the unfused graph's quant op."""
-    q = inputs[0]
-    tokens = output.shape[0]
-    tmp, target = _buffer(md, tokens, output.numel() // tokens * 2, heads, q.dtype, q.device)
-    vllm_op(*inputs, target, layer_name, **rest)
-    # the attention op's output_scale is the global scale (the quant's input_scale); its output_block_scale is
-    # the quant's output_scale (the block scales)
-    quant_op()(tmp, output_scale, True, output=output if output.dim() == 2 else output.view(tokens, -1),
-               output_scale=output_block_scale)
+def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads) -> None:
+    """One call. Per call, beyond vLLM's op and the quant op (the exact fallback) or the fused rows: the forward
+    context's entry for the layer, the step kept on its metadata (a decode-only step's decision, taken once per
+    step; otherwise the guard, whose decision is kept per step for layers that read alike), the count.
+    ``rest``: the arguments of vLLM's op after ``output_block_scale``, in its schema's order."""
+    name = layer_name if type(layer_name) is str else layer_name_of(layer_name)
+    md, layer, kv_cache = _context(name)
+    if md is None:  # vLLM's profile and dummy runs
+        _check_environment()
+        step = None
+        decision = decide(name, inputs[0], md, layer, kv_cache)
+        _log_path(name, decision)
+    else:
+        step = getattr(md, _STEP, None)
+        if step is None or step.md_id != id(md):
+            step = _Step(md, name)
+        decision = step.decision
+        if decision is not None:  # a decode-only step: the exact fallback, decided once for the step
+            _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step)
+            counters.record(decision, name)
+            return
+        decision = decide_rows(name, inputs[0], md, layer, kv_cache)
+        if (decision.reason or decision.backend) not in _logged:
+            _log_path(name, decision)
+    if decision.fused:  # the exact fallback calls vLLM's op, which runs the KV-connector hooks itself
+        if _kv_transfer_utils().has_kv_transfer_group():
+            _with_kv_transfer()(name, lambda: run_fused(decision.backend, md, layer, kv_cache, inputs, output,
+                                                         output_scale, output_block_scale))
+        else:  # what vLLM's hooks do without a KV connector: nothing
+            run_fused(decision.backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale)
+    else:
+        _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step)
+    counters.record(decision, name)
 
 
 _logged: set = set()
+
+
+def _log_path(name, decision) -> None:
+    """The first call of each path (a backend, or a fallback reason) in this process, at INFO (vLLM shows its own
+    loggers)."""
+    key = decision.reason or decision.backend
+    if key in _logged:
+        return
+    _logged.add(key)
+    what = f"fused with backend {decision.backend}" if decision.fused else f"fell back ({decision.reason})"
+    logger.info("fusion_pass: %s: attention + NVFP4 quant %s: %s; further calls are only counted",
+                name, what, decision.detail or "no detail")
+
+
+def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest=(), heads=None,
+                 step=None) -> None:
+    """vLLM's attention into a temporary of the query dtype, then the unfused graph's quant op. ``rest``: vLLM's
+    op's arguments after ``output_block_scale`` (a tuple, in its schema's order).
+
+    The temporary ``[T, H*Dv]`` (and the view vLLM's op writes, ``[T, H, Dv]`` for standard layers) is kept on the
+    ``step`` and reused by every layer of the step with the same output shape (their calls run one after the other
+    on one stream, each quantizing the temporary before the next writes it); without a step, or while a CUDA graph
+    is captured (its temporaries stay the capture's), a fresh one."""
+    q = inputs[0]
+    shape = output.shape
+    key = (shape, heads, q.dtype)
+    kept = step.buffer if step is not None else None
+    if kept is not None and kept[0] == key and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        tmp, target = kept[1], kept[2]
+    else:
+        tokens = shape[0]
+        width = output.numel() // tokens * 2
+        tmp = torch.empty(tokens, width, dtype=q.dtype, device=q.device)
+        target = tmp if heads is None else tmp.view(tokens, heads, width // heads)
+        if step is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            step.buffer = (key, tmp, target)
+    vllm_op(*inputs, target, layer_name, None, None, *rest)
+    # the attention op's output_scale is the global scale (the quant's input_scale); its output_block_scale is
+    # the quant's output_scale (the block scales)
+    quant_op()(tmp, output_scale, True, output=output if len(shape) == 2 else output.view(shape[0], -1),
+               output_scale=output_block_scale)
 
 
 def register() -> None:
@@ -162,6 +236,8 @@ def register() -> None:
     import fusion_pass.ops  # noqa: F401  (the fusion_pass library and its quant op)
 
     install_host_hooks()  # standard backends' metadata keeps its batch's host copies (fusion_pass.vllm.host_rows)
+    standard_op = torch.ops.vllm.unified_attention_with_output.default
+    mla_op = torch.ops.vllm.unified_mla_attention_with_output.default
 
     def vllm_attention_nvfp4(
         query: torch.Tensor,
@@ -173,8 +249,8 @@ def register() -> None:
         output_block_scale: torch.Tensor | None = None,
         kv_cache_dummy_dep: torch.Tensor | None = None,
     ) -> None:
-        _run(torch.ops.vllm.unified_attention_with_output, (query, key, value), output, layer_name,
-             output_scale, output_block_scale, {"kv_cache_dummy_dep": kv_cache_dummy_dep}, heads=query.shape[1])
+        _run(standard_op, (query, key, value), output, layer_name, output_scale, output_block_scale,
+             (kv_cache_dummy_dep,), query.shape[1])
 
     def vllm_mla_attention_nvfp4(
         q: torch.Tensor,
@@ -191,11 +267,9 @@ def register() -> None:
         quant_tma_aligned: bool | None = None,
         q_dcp_replicated: torch.Tensor | None = None,
     ) -> None:
-        rest = dict(kv_cache_dummy_dep=kv_cache_dummy_dep, quant_group_size=quant_group_size,
-                    quant_scale_ue8m0=quant_scale_ue8m0, quant_col_major=quant_col_major,
-                    quant_tma_aligned=quant_tma_aligned, q_dcp_replicated=q_dcp_replicated)
-        _run(torch.ops.vllm.unified_mla_attention_with_output, (q, kv_c_normed, k_pe), output, layer_name,
-             output_scale, output_block_scale, rest, heads=None)
+        _run(mla_op, (q, kv_c_normed, k_pe), output, layer_name, output_scale, output_block_scale,
+             (kv_cache_dummy_dep, quant_group_size, quant_scale_ue8m0, quant_col_major, quant_tma_aligned,
+              q_dcp_replicated), None)
 
     def _fake(*args, **kwargs) -> None:
         return None

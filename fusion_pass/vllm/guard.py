@@ -19,18 +19,18 @@ MLA ``forward_impl`` without the decode/prefill split, a standard backend's meta
 its decode requests) and cached context (``chunked_prefill``: a cache the adapter cannot read).
 """
 
-import dataclasses
 import functools
 import inspect
+import weakref
 
 import torch
 
-from fusion_pass.runtime import guard, settings
+from fusion_pass.runtime import guard
 from fusion_pass.vllm import adapters
 from fusion_pass.vllm.host_rows import decode_only_tokens, mla_rows, standard_rows
 
-__all__ = ["FORWARD_IMPL_STRUCTURE", "NO_METADATA", "decide", "dims", "is_mla", "layer_info", "layer_name_of",
-           "step_rows"]
+__all__ = ["FORWARD_IMPL_STRUCTURE", "NO_METADATA", "decide", "decide_rows", "decode_only_decision", "dims", "is_mla",
+           "layer_info", "layer_name_of", "step_rows"]
 
 NO_METADATA = "no_attention_metadata"
 
@@ -162,7 +162,7 @@ class LayerInfo:
     """What the guard reads of a layer once: MLA or not, its head dims, what it computes beyond plain causal
     attention (``unsupported``, prefixed with its name), and for a standard layer its backend and adapter."""
 
-    __slots__ = ("mla", "dims", "kv_heads", "unsupported", "adapter", "backend", "shapes", "key")
+    __slots__ = ("mla", "dims", "kv_heads", "unsupported", "adapter", "backend", "shapes", "key", "_cache", "_call_key")
 
     def __init__(self, layer):
         self.mla = is_mla(layer)
@@ -176,6 +176,24 @@ class LayerInfo:
         # an MLA layer's decode rows also depend on its class's forward_impl
         self.key = (self.mla, self.dims, self.kv_heads, self.unsupported, self.backend,
                     getattr(type(layer), "forward_impl", None) if self.mla else None)
+        self._cache = None  # (weak reference to the KV cache, query dtype) of _call_key
+        self._call_key = None
+
+    def call_key(self, q, kv_cache) -> int:
+        """A number equal for the calls that decide alike: of layers with equal :attr:`key`, queries of one device
+        and dtype, caches of one dtype, shape and strides. Kept while the layer's cache object and the query
+        dtype stay the same (vLLM binds a layer's cache once)."""
+        cache = self._cache
+        if cache is not None and cache[0]() is kv_cache and cache[1] is q.dtype:
+            return self._call_key
+        if isinstance(kv_cache, torch.Tensor):
+            described = (kv_cache.dtype, tuple(kv_cache.shape), kv_cache.stride())
+            self._cache = (weakref.ref(kv_cache), q.dtype)
+        else:
+            described = type(kv_cache)
+            self._cache = None
+        self._call_key = _CALL_KEYS.setdefault((self.key, q.device, q.dtype, described), len(_CALL_KEYS))
+        return self._call_key
 
     def shape(self, q) -> guard.LayerShape:
         key = (q.device, q.dtype)
@@ -186,6 +204,7 @@ class LayerInfo:
 
 
 _infos: dict = {}
+_CALL_KEYS: dict = {}  # what LayerInfo.call_key distinguishes -> its number
 
 
 def layer_info(layer) -> LayerInfo:
@@ -207,6 +226,8 @@ def _decode_only(tokens: int) -> guard.Decision:
     return guard.Decision.fallback("decode_tokens", f"{tokens} decode token(s), no prefill", 0, tokens)
 
 
+_DECISIONS = "decisions"  # the StepRows.memo entry: {LayerInfo.call_key: the step's decision}
+
 _NO_METADATA = guard.Decision.fallback(NO_METADATA, "no attention metadata (vLLM profile/dummy run)")
 
 
@@ -224,13 +245,24 @@ def _without_host_rows(info: LayerInfo, md, dcp: int) -> guard.Decision:
                                    "query and sequence lengths (the fused path never reads device metadata)", 0, n)
 
 
+def decode_only_decision(md) -> guard.Decision | None:
+    """The decision of every call of a decode-only step, from the metadata's host ints alone (no layer needed:
+    :func:`fusion_pass.vllm.host_rows.decode_only_tokens`), or None when the step may have prefill rows (or runs
+    with DCP: decided per call)."""
+    if (_dcp if _dcp is not None else dcp_world_size()) != 1:
+        return None
+    tokens = decode_only_tokens(md)
+    return None if tokens is None else _decode_only(tokens)
+
+
 def decide(layer_name, q, md, layer, kv_cache=None) -> guard.Decision:
     """The guard for one vLLM call, from the layer, its metadata and KV cache (module docstring).
 
     Per token, as the runtime's: ``prefill_tokens`` and ``fused_tokens`` of the call's rows, ``post_quantized``
     ``{reason: rows}`` for the rest. No metadata (a profile or dummy run) counts no tokens. A call with prefill
-    rows is decided once per step for layers that read alike (:attr:`LayerInfo.key`, the device and dtype of the
-    query, the cache's dtype and shape, the configured backend): the decision is kept with the step's rows.
+    rows is decided once per step for layers that read alike (:meth:`LayerInfo.call_key`), with the backend choice
+    (:func:`fusion_pass.runtime.settings.configured_backend`) of that first call: the decision is kept with the
+    step's rows.
     """
     if md is None:
         return _NO_METADATA
@@ -239,22 +271,30 @@ def decide(layer_name, q, md, layer, kv_cache=None) -> guard.Decision:
         decode_only = decode_only_tokens(md)
         if decode_only is not None:
             return _decode_only(decode_only)
+    return decide_rows(layer_name, q, md, layer, kv_cache)
+
+
+def decide_rows(layer_name, q, md, layer, kv_cache=None) -> guard.Decision:
+    """:func:`decide` for a call whose step is not decode-only (:func:`decode_only_decision` gave None for its
+    metadata): from the step's rows."""
+    dcp = _dcp if _dcp is not None else dcp_world_size()
     info = layer_info(layer)
     rows = mla_rows(md, dcp) if info.mla else standard_rows(md, dcp)
     if rows is None:
         return _without_host_rows(info, md, dcp)
-    if not rows.rows.prefill_tokens and dcp == 1:
+    if not rows.prefill_tokens and dcp == 1:
         return _decode_only(rows.num_tokens)
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         return guard.Decision.fallback("cuda_graph_capture", "the call is being captured into a CUDA graph, which "
                                        "replays for batches the capture did not see: the exact fallback",
-                                       rows.rows.prefill_tokens, rows.num_tokens)
-    cache = (kv_cache.dtype, tuple(kv_cache.shape), kv_cache.stride()) if isinstance(kv_cache, torch.Tensor) \
-        else type(kv_cache)
-    key = (info.key, q.device, q.dtype, cache, settings.configured_backend())
-    decision = rows.memo.get(key)
+                                       rows.prefill_tokens, rows.num_tokens)
+    decisions = rows.memo.get(_DECISIONS)
+    if decisions is None:
+        decisions = rows.memo[_DECISIONS] = {}
+    key = info.call_key(q, kv_cache)
+    decision = decisions.get(key)
     if decision is None:
-        decision = rows.memo[key] = _decide(layer_name, q, md, layer, kv_cache, info, rows.rows)
+        decision = decisions[key] = _decide(layer_name, q, md, layer, kv_cache, info, rows.rows)
     return decision
 
 
@@ -282,7 +322,8 @@ def _decide(layer_name, q, md, layer, kv_cache, info: LayerInfo, batch: guard.Ba
     decision = guard.decide(batch, info.shape(q), decode_refusal=decode_refusal, context_refusal=context_refusal,
                             allow_partial=False)
     if decision.fused and with_context:  # the fused rows read the cached context from the paged cache
-        decision = dataclasses.replace(decision, detail=(
-            f"{decision.detail}; {with_context} prefill(s) attend to {sum(batch.context_lens)} cached context "
-            f"token(s) read from the paged {'latent ' if info.mla else ''}cache"))
+        detail = (f"{decision.detail}; {with_context} prefill(s) attend to {sum(batch.context_lens)} cached context "
+                  f"token(s) read from the paged {'latent ' if info.mla else ''}cache")
+        decision = guard.Decision(decision.path, decision.reason, decision.backend, detail, decision.prefill_tokens,
+                                  decision.fused_tokens, decision.post_quantized)
     return decision

@@ -41,10 +41,12 @@ class StepRows:
     (its first row). ``decode`` / ``prefill``: the indices of the decode requests (one new token) and of the
     prefill requests (more); requests without a new token (vLLM's padding) are in neither. ``rows``: the
     :class:`~fusion_pass.runtime.guard.BatchRows` the guard core reads (decode tokens, then per prefill its
-    new and cached tokens, in order). ``memo``: per-step values a backend adapter derives from the metadata
-    (its sub-batch of decode rows, index tensors), computed by the first layer that needs them."""
+    new and cached tokens, in order); ``num_tokens`` / ``prefill_tokens`` its rows / prefill rows. ``memo``:
+    per-step values a backend adapter derives from the metadata (its sub-batch of decode rows, index tensors) and the
+    guard's decisions, computed by the first layer that needs them."""
 
-    __slots__ = ("query_lens", "context_lens", "starts", "decode", "prefill", "num_tokens", "rows", "memo")
+    __slots__ = ("query_lens", "context_lens", "starts", "decode", "prefill", "num_tokens", "prefill_tokens", "rows",
+                 "memo")
 
     def __init__(self, query_lens, context_lens, dcp_world_size: int = 1):
         self.query_lens = query_lens = tuple(query_lens)
@@ -60,6 +62,7 @@ class StepRows:
         self.starts, self.num_tokens, self.decode, self.prefill = tuple(starts), row, tuple(decode), tuple(prefill)
         self.rows = guard.BatchRows(len(decode), tuple(query_lens[i] for i in prefill),
                                     tuple(context_lens[i] for i in prefill), dcp_world_size)
+        self.prefill_tokens = row - len(decode)
         self.memo: dict = {}
 
     @property

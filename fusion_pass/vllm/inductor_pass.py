@@ -28,7 +28,7 @@ from pathlib import Path
 import vllm
 from vllm.compilation.passes.inductor_pass import InductorPass
 
-from fusion_pass.vllm import report_file, vocabulary
+from fusion_pass.vllm import layer_check, report_file, vocabulary
 
 logger = logging.getLogger("vllm.fusion_pass")
 
@@ -97,8 +97,9 @@ class FusionPassForVllm(InductorPass):
         except Exception as exc:
             return self._disable(f"vLLM vocabulary unavailable ({type(exc).__name__}: {exc})")
         from fusion_pass.compile.graph_pass import FusionPass
+        from fusion_pass.vllm.layer_check import leave_quantized
 
-        return FusionPass(self.patterns, vocabularies=(vocab,))
+        return FusionPass(self.patterns, vocabularies=(vocab,), leave_quantized=leave_quantized)
 
     def _disable(self, reason: str):
         self.disabled_reason = reason
@@ -118,7 +119,7 @@ class FusionPassForVllm(InductorPass):
         h = hashlib.sha256()
         h.update(repr(self.patterns).encode())
         for module in (matcher, layout, attention_quant, pattern_vocabulary, vocabulary, attention_op, guard,
-                       fused_rows, inspect.getmodule(FusionPassForVllm)):
+                       fused_rows, layer_check, inspect.getmodule(FusionPassForVllm)):
             h.update(inspect.getsource(module).encode())
         h.update(f"vllm={vllm.__version__}".encode())
         return h.hexdigest()
@@ -132,8 +133,17 @@ class FusionPassForVllm(InductorPass):
         last = fusion.graphs[-1]
         logger.info("%s [pid %d]", last.line(), os.getpid())
         for layer in last.layers:
-            if layer["outcome"] != "rewritten":
+            if layer["outcome"] == "refused":
                 logger.info("fusion_pass: %s (%s): refused: %s", layer["layer"], layer["pattern"], layer.get("reason"))
+            elif layer["outcome"] == "retargeted":
+                logger.info("fusion_pass: %s (%s): vLLM's fuse_attn_quant rewrite retargeted to the fused op (%s)",
+                            layer["layer"], layer["pattern"], layer_check.describe(layer["layer"]))
+            elif layer["outcome"] == "left":
+                found = layer_check.compile_time_layer(layer["layer"])
+                detail = layer_check.why_left(found) if found is not None else None
+                logger.info("fusion_pass: %s (%s): left as vLLM's fuse_attn_quant rewrote it (%s: %s): the fused call "
+                            "would fall back on every call", layer["layer"], layer["pattern"], layer["reason"],
+                            detail[1] if detail else "no detail")
         self.write_report()
 
     def _warn_if_split(self) -> None:

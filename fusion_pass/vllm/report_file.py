@@ -8,7 +8,8 @@ A report written only at exit would miss every counter. Hence :class:`ReportFile
 
 * written when the pass compiles a graph (the caller's :meth:`ReportFile.write`);
 * rewritten by a daemon thread after the run-time counters change (a counters listener,
-  :func:`fusion_pass.runtime.counters.add_listener`, only wakes the thread), at most once per
+  :func:`fusion_pass.runtime.counters.add_listener`, only wakes the thread; the counters call it at the first
+  change after the thread read them, so an attention call pays one flag test), at most once per
   ``min_interval_s`` (default :data:`MIN_INTERVAL_S`): the file is that much (and one write) behind the
   counters at most, whatever ends the process afterwards (SIGTERM, SIGKILL);
 * rewritten at a normal exit (``atexit``);
@@ -99,7 +100,8 @@ class ReportFile:
             self._thread.join(timeout=10)
 
     def counters_changed(self) -> None:
-        """The counters listener: wakes the writer thread (called on every attention call: only that)."""
+        """The counters listener: wakes the writer thread (called from an attention call, at the first change after
+        the thread read the counters: only that)."""
         if not self._wake.is_set() and self._mine():
             self._wake.set()
 

@@ -23,7 +23,9 @@ def _load():
 
 
 st = _load()
-Chunk, Step, Lengths, TraceConfig = st.Chunk, st.Step, st.Lengths, st.TraceConfig
+sched = sys.modules["_schedule"]  # bench/ is on sys.path once the script is loaded
+steps_mod = sys.modules["_serving_steps"]
+Chunk, Step, Lengths, TraceConfig = sched.Chunk, sched.Step, sched.Lengths, sched.TraceConfig
 
 SEEDS = range(25)
 
@@ -174,7 +176,9 @@ def test_help_describes_the_options(capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     for option in ("--budget", "--steps", "--seed", "--model", "--tiny", "--device", "--json", "--rate",
-                   "--max-seqs", "--prefix-hit-rate", "--workspace-tokens", "pure_prefill_gate"):
+                   "--max-seqs", "--prefix-hit-rate", "--workspace-tokens", "pure_prefill_gate", "--markdown",
+                   "--timing-only", "--cpu-timing", "--launch-us", "--repeats", "--warmup", "cu_seqlens_k",
+                   "4.8 TB/s"):
         assert option in out
 
 
@@ -230,3 +234,81 @@ def test_requests_longer_than_the_models_positions_are_refused(capsys):
     assert st.FULL["prompt"].high + st.FULL["decode"].high <= st.MAX_POSITION, "the default schedule must fit"
     assert st.main(["--schedule-only", "--prompt-mean", "5000"]) == 2
     assert "the demo models' positions stop at 32768" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# The timed steps (bench/_serving_steps.py)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_kv_regions_never_overlap_while_live_and_are_reused(seed):
+    steps = st.generate_schedule(small_config(seed, steps=120))
+    starts, rows = steps_mod.plan_regions(steps)
+    sizes = {a.request_id: a.prompt_len + a.decode_len for s in steps for a in s.admitted}
+    assert set(starts) == set(sizes)
+    live = {}
+    for step in steps:
+        for a in step.admitted:
+            lo, hi = starts[a.request_id], starts[a.request_id] + sizes[a.request_id]
+            assert 0 <= lo and hi <= rows
+            for other, (olo, ohi) in live.items():
+                assert hi <= olo or ohi <= lo, f"{a.request_id} overlaps {other}"
+            live[a.request_id] = (lo, hi)
+        for c in step.chunks:  # every token a step writes lies in its request's region
+            assert c.context_len + c.query_len <= sizes[c.request_id]
+        for rid in step.finished:
+            del live[rid]
+    if sum(len(s.finished) for s in steps) > 2:
+        assert rows < sum(sizes.values()), "freed regions are reused"
+
+
+def test_step_layout_by_hand():
+    spec = Step(0, (Chunk("a", 1, 5, False), Chunk("b", 3, 2, True), Chunk("c", 2, 0, True))).batch_spec()
+    layout = steps_mod.step_layout(spec, {"a": 100, "b": 10, "c": 50})
+    assert (layout.tokens, layout.decodes, layout.prefill_tokens) == (6, 1, 5)
+    assert layout.cu_q == (0, 1, 4, 6) and layout.cu_k == (0, 6, 11, 13)
+    assert layout.new_rows == (105, 12, 13, 14, 50, 51)
+    assert layout.key_rows == (100, 101, 102, 103, 104, 105, 10, 11, 12, 13, 14, 50, 51)
+
+
+def test_ceiling_and_ratio_summary_by_hand():
+    dims = steps_mod.AttnDims(16, 16, 192, 128)
+    # 1000 tokens, 2 layers: 2 * 4 * 1000 * 16 * 128 bytes at 4.8 TB/s = 3.4133 us, plus 2 launches of 5 us
+    assert steps_mod.ceiling_ms(1000, dims, 2) == pytest.approx(2 * 4 * 1000 * 2048 / 4.8e12 * 1e3)
+    assert steps_mod.ceiling_ms(1000, dims, 2, launch_us=5) == pytest.approx(0.0034133 + 0.010, rel=1e-4)
+    s = steps_mod.ratio_summary([1.0, 2.0, 4.0], [1.0, 1.0, 5.0], [0.5, 1.0, 0.0])
+    assert s["ratio"]["min"] == 0.8 and s["ratio"]["median"] == 1.0 and s["ratio"]["max"] == 2.0
+    assert s["overall"] == pytest.approx(7 / 7) and s["steps_below_0.99"] == 1
+    assert s["ceiling_overall"] == pytest.approx(7 / 5.5)
+    assert s["saving_taken"] == pytest.approx(0.0)
+    assert s["ceiling"]["max"] == pytest.approx(2.0)
+
+
+def test_timed_steps_on_the_cpu_agree_byte_for_byte(tmp_path):
+    """The three variants (unfused, fused as the runtime splits it, fused in one call) on the reference
+    kernels: every busy step is timed and all of them write the same bytes."""
+    path, md = tmp_path / "trace.json", tmp_path / "trace.md"
+    assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "14", "--prefix-hit-rate", "0.5",
+                    "--warmup", "0", "--repeats", "1", "--json", str(path), "--markdown", str(md)]) == 0
+    doc = json.loads(path.read_text())
+    t = doc["timing"]
+    busy = [s for s in doc["per_step"] if s["tokens"]]
+    assert t["skipped"] is None and t["mismatched_steps"] == []
+    assert [p["step"] for p in t["per_step"]] == [s["step"] for s in busy]
+    assert all(p["bytes_equal"] for p in t["per_step"])
+    assert any(p["decode_rows"] and p["prefill_rows"] for p in t["per_step"]), "a mixed step"
+    for name in ("fused", "fused_all"):
+        assert set(t[name]["ratio"]) == {"n", "min", "p10", "median", "p90", "max"}
+        assert t[name]["ratio"]["n"] == len(busy)
+    assert doc["counters"] is None and doc["fused_fraction"]["this"] is None
+    text = md.read_text()
+    assert "| unfused / fused |" in text and "4.8 TB/s" in text and "--timing-only" in text
+
+
+def test_cuda_without_a_gpu_is_refused(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert st.main(["--device", "cuda", "--timing-only", "--steps", "2"]) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err

@@ -10,6 +10,7 @@ the full sequences, output, log-sum-exp and NVFP4 bytes.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from fusion_pass import kernels, nvfp4
 from fusion_pass.kernels import choice
 from fusion_pass.kernels import launchers, reference
+from fusion_pass.kernels.api import check_attention
 from fusion_pass.kernels.fa4 import sm90 as fa4_sm90
 from fusion_pass.kernels.triton import flash_attention as fa
 from fusion_pass.kernels.triton import quantize as nvfp4_quant
@@ -133,13 +135,17 @@ def test_quant_matches_reference_bytes_up_to_the_largest_global_scale(gs_value, 
     if gs_value == nvfp4.GLOBAL_SCALE_MAX:
         assert bool((scale_bytes(want_scales) == 0x01).any()), "some block has the smallest nonzero scale"
         above = torch.nextafter(gs, torch.tensor([math.inf], device=DEVICE))
-        calls = [lambda: kernels.quantize_rows_into(x, above, torch.empty_like(want_packed),
-                                                    torch.empty_like(scale_bytes(want_scales)), 0)]
-        if not x.is_cuda:  # on CUDA kernels.quantize does not read the global scale back (no synchronization)
-            calls.append(lambda: kernels.quantize(x, above))
-        for call in calls:
-            with pytest.raises(ValueError, match=r"global_scale must be at most"):
-                call()
+        # read back (validate_values=True): the value named; on the device (the default; at once on the CPU)
+        matches = {True: r"global_scale must be at most", "device": r"global_scale must be positive and finite "
+                                                                    r"and at most .*checked on the device"}
+        for mode in matches if not x.is_cuda else [True]:  # a device-side assertion would end the CUDA context
+            calls = [lambda: kernels.quantize_rows_into(x, above, torch.empty_like(want_packed),
+                                                        torch.empty_like(scale_bytes(want_scales)), 0,
+                                                        validate_values=mode),
+                     lambda: kernels.quantize(x, above, validate_values=mode)]
+            for call in calls:
+                with pytest.raises(ValueError, match=matches[mode]):
+                    call()
 
 
 def test_quant_entry_point_flattens_and_checks():
@@ -318,6 +324,22 @@ def test_split_head_dim():
 # ---------------------------------------------------------------------------
 
 
+_ON_DEVICE = r"(?=.*checked on the device, not read back).*"
+"""A value error found on the device (``validate_values="device"``) says so."""
+
+VALUE_MODES = [True, "device"]
+
+
+def _match(match, mode):
+    """``match`` (one regex for both modes, or ``(read back, on the device)``) for ``validate_values=mode``.
+    A value error on the device ends the CUDA context (a device-side assertion): tested on the CPU only."""
+    if isinstance(match, str):
+        return match
+    if mode == "device" and CUDA:
+        pytest.skip("a device-side assertion is fatal to the CUDA context; the device check runs on the CPU")
+    return match[0] if mode is True else match[1]
+
+
 def _args():
     q = torch.zeros(10, 4, 32, dtype=torch.bfloat16, device=DEVICE)
     k = torch.zeros(10, 2, 32, dtype=torch.bfloat16, device=DEVICE)
@@ -340,33 +362,40 @@ def _args():
         (lambda a: {"cu": a["cu"].long()}, ValueError, r"cu_seqlens must be a 1-D int32 tensor"),
         (lambda a: {"cu": a["cu"][:1]}, ValueError, r"B \+ 1 >= 2"),
         (lambda a: {"cu": torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)}, ValueError,
-         r"rise from 0 to T=10"),
+         (r"rise from 0 to T=10 without decreasing, got \[0, 4, 9\]", _ON_DEVICE + r"rise from 0 to T=10")),
         (lambda a: {"cu": torch.tensor([0, 6, 4, 10], dtype=torch.int32, device=DEVICE)}, ValueError,
-         r"without decreasing"),
-        (lambda a: {"max_seqlen": 5}, ValueError, r"max_seqlen=5 is smaller than the longest sequence \(6\)"),
+         (r"without decreasing, got \[0, 6, 4, 10\]", _ON_DEVICE + r"without decreasing")),
+        (lambda a: {"cu": torch.tensor([1, 4, 10], dtype=torch.int32, device=DEVICE)}, ValueError,
+         (r"rise from 0 to T=10 without decreasing, got \[1, 4, 10\]", _ON_DEVICE + r"rise from 0 to T=10")),
+        (lambda a: {"max_seqlen": 5}, ValueError,
+         (r"max_seqlen=5 is smaller than the longest sequence \(6\)", _ON_DEVICE + r"no sequence longer than "
+                                                                          r"max_seqlen=5")),
         (lambda a: {"max_seqlen": 6.0}, ValueError, r"max_seqlen must be a non-negative int"),
         (lambda a: {"softmax_scale": float("nan")}, ValueError, r"softmax_scale must be None or a positive"),
         (lambda a: {"backend": "cudnn"}, ValueError, r"backend must be one of auto, triton, fa4, reference"),
     ],
 )
-def test_attention_rejects_bad_arguments(change, error, match):
+@pytest.mark.parametrize("mode", VALUE_MODES)
+def test_attention_rejects_bad_arguments(change, error, match, mode):
     q, k, v, cu = _args()
     args = {"q": q, "k": k, "v": v, "cu": cu, "max_seqlen": 6, "softmax_scale": None, "backend": "reference"}
     args.update(change(args))
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=_match(match, mode)):
         kernels.attention(args["q"], args["k"], args["v"], args["cu"], args["max_seqlen"],
-                          softmax_scale=args["softmax_scale"], backend=args["backend"])
+                          softmax_scale=args["softmax_scale"], backend=args["backend"], validate_values=mode)
 
 
 def test_attention_nvfp4_rejects_bad_global_scale_and_head_dims():
     q, k, v, cu = _args()
-    for gs, match in [
-        (torch.tensor([1.0, 2.0], device=DEVICE), r"global_scale must be a one-element float32 tensor"),
-        (torch.tensor([0.0], device=DEVICE), r"global_scale must be positive and finite, got 0.0"),
-        (torch.tensor([1.0], dtype=torch.float64, device=DEVICE), r"one-element float32"),
+    for gs, match, mode in [
+        (torch.tensor([1.0, 2.0], device=DEVICE), r"global_scale must be a one-element float32 tensor", "device"),
+        (torch.tensor([0.0], device=DEVICE), r"global_scale must be positive and finite, got 0.0", True),
+        *[(torch.tensor([value], device=DEVICE), r"global_scale must be positive and finite and at most .*"
+           r"checked on the device", "device") for value in ([0.0, -1.0, math.inf, math.nan] if not CUDA else [])],
+        (torch.tensor([1.0], dtype=torch.float64, device=DEVICE), r"one-element float32", "device"),
     ]:
         with pytest.raises(ValueError, match=match):
-            kernels.attention_nvfp4(q, k, v, cu, 6, gs, backend="reference")
+            kernels.attention_nvfp4(q, k, v, cu, 6, gs, backend="reference", validate_values=mode)
     odd_v = torch.zeros(10, 2, 8, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match=r"backend 'triton' needs v's head dim Dv divisible by 16, got 8"):
         kernels.attention_nvfp4(q, k, odd_v, cu, 6, torch.ones(1, device=DEVICE), backend="triton")
@@ -695,12 +724,17 @@ _CONTEXT_BAD = [
     (lambda a: {"cu_k": torch.tensor([0, 9, 6, 9, 14, 9], dtype=torch.int32, device=DEVICE)[::2]}, ValueError,
      r"cu_seqlens_k must be contiguous"),
     (lambda a: {"cu_k": torch.tensor([0, 6, 13], dtype=torch.int32, device=DEVICE)}, ValueError,
-     r"cu_seqlens_k must rise from 0 to Tk=14"),
+     (r"cu_seqlens_k must rise from 0 to Tk=14 \(k's tokens\) without decreasing, got \[0, 6, 13\]",
+      _ON_DEVICE + r"cu_seqlens_k must rise from 0 to Tk=14")),
     (lambda a: {"cu_k": torch.tensor([0, 15, 14], dtype=torch.int32, device=DEVICE)}, ValueError,
-     r"cu_seqlens_k must rise from 0 to Tk=14 \(k's tokens\) without decreasing"),
+     (r"cu_seqlens_k must rise from 0 to Tk=14 \(k's tokens\) without decreasing, got \[0, 15, 14\]",
+      _ON_DEVICE + r"cu_seqlens_k must rise from 0 to Tk=14 \(k's tokens\) without decreasing")),
     (lambda a: {"cu_k": torch.tensor([0, 3, 14], dtype=torch.int32, device=DEVICE), "max_seqlen_k": None}, ValueError,
-     r"cu_seqlens_k gives sequence 0 3 keys for its 4 queries; .*needs Lk >= Lq"),
-    (lambda a: {"max_seqlen_k": 7}, ValueError, r"max_seqlen_k=7 is smaller than the longest key sequence \(8\)"),
+     (r"cu_seqlens_k gives sequence 0 3 keys for its 4 queries; .*needs Lk >= Lq",
+      _ON_DEVICE + r"causal attention needs Lk >= Lq for every sequence")),
+    (lambda a: {"max_seqlen_k": 7}, ValueError,
+     (r"max_seqlen_k=7 is smaller than the longest key sequence \(8\)",
+      _ON_DEVICE + r"no key sequence longer than max_seqlen_k=7")),
     (lambda a: {"max_seqlen_k": -1}, ValueError, r"max_seqlen_k must be None or a non-negative int"),
     (lambda a: {"cu_k": None, "k": a["k"][:10], "v": a["v"][:10]}, ValueError,
      r"max_seqlen_k=8 is given without cu_seqlens_k"),
@@ -727,21 +761,23 @@ _ENTRIES = {
 }
 
 
+@pytest.mark.parametrize("mode", VALUE_MODES)
 @pytest.mark.parametrize("entry", list(_ENTRIES))
 @pytest.mark.parametrize("change,error,match", _CONTEXT_BAD)
-def test_context_entries_reject_bad_cu_seqlens_k(entry, change, error, match):
+def test_context_entries_reject_bad_cu_seqlens_k(entry, change, error, match, mode):
     args = _context_args()
     args.update(change(args))
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=_match(match, mode)):
         _ENTRIES[entry](args, cu_seqlens_k=args["cu_k"], max_seqlen_k=args["max_seqlen_k"], causal=args["causal"],
-                        backend="reference")
+                        backend="reference", validate_values=mode)
 
 
+@pytest.mark.parametrize("mode", VALUE_MODES)
 @pytest.mark.parametrize("entry", list(_ENTRIES))
-def test_context_entries_accept_fewer_keys_than_queries_when_not_causal(entry):
+def test_context_entries_accept_fewer_keys_than_queries_when_not_causal(entry, mode):
     args = _context_args()
     cu_k = torch.tensor([0, 3, 14], dtype=torch.int32, device=DEVICE)  # sequence 0: 3 keys, 4 queries
-    _ENTRIES[entry](args, cu_seqlens_k=cu_k, causal=False, backend="reference")
+    _ENTRIES[entry](args, cu_seqlens_k=cu_k, causal=False, backend="reference", validate_values=mode)
 
 
 @pytest.mark.parametrize(
@@ -786,3 +822,187 @@ def test_fused_call_with_cu_seqlens_k_does_not_synchronize():
         )
 
     context_cases.call_without_host_sync(call)  # the first call compiles
+
+
+# ---------------------------------------------------------------------------
+# validate_values: the default reads no value back (no synchronization on CUDA)
+# ---------------------------------------------------------------------------
+
+_HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+class HostRead(AssertionError):
+    pass
+
+
+def _no_host_reads(monkeypatch) -> list[str]:
+    """Make every Python-level read of a tensor's values on the host raise :class:`HostRead` (a synchronization on
+    CUDA); returns the list the reads would have been recorded in, and counts the device assertions instead."""
+    for name in _HOST_READS:
+        def refuse(self, *args, _name=name, **kwargs):
+            raise HostRead(f"Tensor.{_name} called on {self.dtype} {list(self.shape)}")
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    asserted: list[str] = []
+    real = torch._assert_async
+
+    def counted(ok, *message):
+        asserted.append(message[0] if message else "")
+        return real(ok, *message)
+
+    monkeypatch.setattr(torch, "_assert_async", counted)
+    return asserted
+
+
+def _stub_kernels(monkeypatch) -> list[str]:
+    """Replace the entry points' kernels (which may read values for their own work: the reference slices
+    sequences by ``cu_seqlens``) by stand-ins that record the call and write nothing."""
+    from fusion_pass.kernels import api
+
+    ran: list[str] = []
+
+    def stub(name, result=None):
+        def run(*args, **kwargs):
+            ran.append(name)
+            return result(*args, **kwargs) if result else None
+        return run
+
+    monkeypatch.setattr(api.reference, "varlen_attention",
+                        stub("varlen_attention", lambda q, k, v, *a: (q.new_zeros(q.shape[0], q.shape[1], v.shape[2],
+                                                                                   dtype=torch.float32),
+                                                                       q.new_zeros(q.shape[:2], dtype=torch.float32))))
+    monkeypatch.setattr(api.launchers, "attention_with_lse_varlen",
+                        stub("attention_with_lse_varlen", lambda q, k, v, **kw: (q, q)))
+    monkeypatch.setattr(api.nvfp4, "quantize", stub("quantize", lambda x, gs, swizzled=True: (x, gs)))
+    monkeypatch.setattr(api.launchers, "quantize_rows", stub("quantize_rows"))
+    monkeypatch.setattr(api.reference, "merge_nvfp4", stub("merge_nvfp4"))
+    monkeypatch.setattr(api.launchers, "merge_nvfp4_rows", stub("merge_nvfp4_rows"))
+    return ran
+
+
+def _entry_calls(gen, seed, backend="reference"):
+    """Every validated entry point with valid random arguments on this device (``backend``'s kernels):
+    ``{name: call(validate_values)}``, each checking at least one device tensor's values."""
+    rnd = random.Random(seed)
+    lens = [rnd.randint(1, 9) for _ in range(rnd.randint(1, 4))]
+    ctx = [rnd.randint(0, 7) for _ in lens]
+    t, tk = sum(lens), sum(lens) + sum(ctx)
+    hkv = rnd.choice([1, 2])
+    h, d, dv = hkv * rnd.choice([1, 2]), 32, 16
+    q = randn(gen, t, h, d, dtype=torch.bfloat16)
+    k, v = randn(gen, tk, hkv, d, dtype=torch.bfloat16), randn(gen, tk, hkv, dv, dtype=torch.bfloat16)
+    cu = cumulative(lens)
+    cu_k = cumulative([a + b for a, b in zip(lens, ctx)])
+    gs = torch.tensor([rnd.uniform(1.0, 500.0)], device=DEVICE)
+    rows, cols = nvfp4.scale_shape(t, h * dv)
+    packed = torch.zeros(t, h * dv // 2, dtype=torch.uint8, device=DEVICE)
+    scales = torch.zeros(rows, cols, dtype=torch.uint8, device=DEVICE)
+    x = randn(gen, t, h * dv)
+    out = randn(gen, t, h, dv)
+    lse = randn(gen, t, h)
+    ref = dict(backend=backend)
+    return {
+        "attention": lambda m: kernels.attention(q, k[:t], v[:t], cu, max(lens), validate_values=m, **ref),
+        "attention+cu_seqlens_k": lambda m: kernels.attention(q, k, v, cu, max(lens), cu_seqlens_k=cu_k,
+                                                              max_seqlen_k=max(lens) + max(ctx), validate_values=m,
+                                                              **ref),
+        "attention_with_lse": lambda m: kernels.attention_with_lse(q, k, v, cu, max(lens), cu_seqlens_k=cu_k,
+                                                                   causal=rnd.choice([True, False]),
+                                                                   validate_values=m, **ref),
+        "attention_nvfp4": lambda m: kernels.attention_nvfp4(q, k, v, cu, max(lens), gs, cu_seqlens_k=cu_k,
+                                                             validate_values=m, **ref),
+        "quantize": lambda m: kernels.quantize(x, gs, validate_values=m, **ref),
+        "quantize_rows_into": lambda m: kernels.quantize_rows_into(x, gs, packed, scales, 0, validate_values=m,
+                                                                   **ref),
+        "merge_attention_nvfp4": lambda m: kernels.merge_attention_nvfp4(out, lse, out, lse, gs, packed, scales, 0,
+                                                                         validate_values=m, **ref),
+    }
+
+
+ENTRY_NAMES = ["attention", "attention+cu_seqlens_k", "attention_with_lse", "attention_nvfp4", "quantize",
+               "quantize_rows_into", "merge_attention_nvfp4"]
+
+
+@pytest.mark.parametrize("entry", ENTRY_NAMES)
+def test_default_validation_reads_no_value_back(entry, monkeypatch):
+    """By default (``validate_values="device"``) no entry point reads a tensor's values on the host: every
+    ``Tensor.tolist`` / ``item`` / ``bool`` / ... raises here, and the values are asserted on the device instead
+    (``torch._assert_async``, counted); ``validate_values=False`` asserts nothing; ``True`` reads them back (the
+    detector catches it: it can fail). Random shapes and lengths per run."""
+    gen, seed = fresh_generator()
+    calls = _entry_calls(gen, seed)
+    ran = _stub_kernels(monkeypatch)
+    asserted = _no_host_reads(monkeypatch)
+    calls[entry]("device")
+    assert ran, f"{entry}: the kernel did not run (seed {seed})"
+    assert asserted, f"{entry}: no value was checked on the device (seed {seed})"
+    ran.clear(), asserted.clear()
+    calls[entry](False)
+    assert ran and not asserted, f"{entry}: validate_values=False checked values (seed {seed})"
+    with pytest.raises(HostRead):
+        calls[entry](True)
+
+
+@pytest.mark.parametrize("entry", ENTRY_NAMES)
+def test_validate_values_must_be_a_mode(entry):
+    gen, seed = fresh_generator()
+    for bad in ("host", 1, None):
+        with pytest.raises(ValueError, match=r"validate_values must be True, \"device\" or False, got"):
+            _entry_calls(gen, seed)[entry](bad)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device: device synchronizations are detected on CUDA only")
+@pytest.mark.parametrize("entry", ENTRY_NAMES)
+def test_default_validation_does_not_synchronize(entry):
+    """The default path on CUDA with the CUDA kernels (``auto``): ``torch.cuda.set_sync_debug_mode("error")``
+    sees no synchronization, and valid values pass the device assertion."""
+    gen, seed = fresh_generator()
+    call = _entry_calls(gen, seed, backend="auto")[entry]
+    context_cases.call_without_host_sync(lambda: call("device"))  # the first call compiles
+    torch.cuda.synchronize()
+
+
+def test_device_value_checks_agree_with_the_host_checks():
+    """Generated ``cu_seqlens`` / ``cu_seqlens_k`` / ``max_seqlen(_k)`` / global scales, valid and broken (a
+    shifted start or end, a decreasing step, a sequence longer than its bound, fewer keys than queries): the
+    check on the device (``"device"``, at once on the CPU) refuses exactly what the read-back check refuses."""
+    if CUDA:
+        pytest.skip("a device-side assertion is fatal to the CUDA context; the device check runs on the CPU")
+    rnd = random.Random(random.SystemRandom().randrange(2**31))
+    seed = rnd.random()
+    refused = {True: 0, "device": 0}
+    for case in range(300):
+        b = rnd.randint(1, 5)
+        lens = [rnd.randint(0, 6) for _ in range(b)]
+        keys = [n + rnd.randint(-2, 4) if rnd.random() < 0.1 else n + rnd.randint(0, 4) for n in lens]
+        keys = [max(0, n) for n in keys]
+        t, tk = sum(lens), sum(keys)
+        starts = [0, *itertools.accumulate(lens)]
+        starts_k = [0, *itertools.accumulate(keys)]
+        for offsets in (starts, starts_k):
+            kind = rnd.randrange(12)
+            i = rnd.randrange(len(offsets))
+            if kind == 1:
+                offsets[i] += rnd.choice([-2, -1, 1, 2])
+            elif kind == 2 and len(offsets) > 2:
+                offsets[1], offsets[2] = offsets[2], offsets[1]
+        max_q = max(lens) + rnd.choice([0, 0, 0, 1, 1, -1])
+        max_k = rnd.choice([None, None, max(keys), max(keys), max(keys) - 1])
+        causal = rnd.random() < 0.7
+        gs = rnd.choice([0.0, -1.0, math.inf, math.nan, 1e36]) if rnd.random() < 0.1 else \
+            rnd.choice([1.0, 300.0, nvfp4.GLOBAL_SCALE_MAX, 2.0**-140])
+        q = torch.zeros(t, 2, 32, dtype=torch.bfloat16)
+        k, v = torch.zeros(tk, 1, 32, dtype=torch.bfloat16), torch.zeros(tk, 1, 16, dtype=torch.bfloat16)
+        outcome = {}
+        for mode in (True, "device"):
+            try:
+                check_attention(
+                    "attention_nvfp4", q, k, v, torch.tensor(starts, dtype=torch.int32), max(max_q, 0), causal, None,
+                    "reference", torch.tensor(starts_k, dtype=torch.int32), max_k,
+                    global_scale=torch.tensor([gs]), validate_values=mode)
+                outcome[mode] = None
+            except ValueError as exc:
+                outcome[mode] = str(exc)
+                refused[mode] += 1
+        where = f"case {case} (seed {seed}): starts {starts}, keys {starts_k}, max {max_q}/{max_k}, gs {gs}"
+        assert (outcome[True] is None) == (outcome["device"] is None), f"{where}: {outcome}"
+    assert 30 < refused[True] < 270, f"the generator should give valid and invalid cases, got {refused}"

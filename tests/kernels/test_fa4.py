@@ -35,18 +35,7 @@ from context_cases import (ContextCase, ContextLimits, call_without_host_sync, c
                            context_inputs, reference_context_attention)
 
 
-def _gpu_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA device (FA4's SM90 kernel)"
-    major, minor = torch.cuda.get_device_capability()
-    if major != 9:
-        return f"needs an SM90 GPU (H100/H200), found sm_{major}{minor}"
-    ok, why = fa4_sm90.fa4_import_status()
-    return None if ok else why
-
-
-GPU_REASON = _gpu_reason()
-gpu = pytest.mark.skipif(GPU_REASON is not None, reason=str(GPU_REASON))
+from sm90_gpu import gpu  # noqa: E402
 
 
 def fresh_seed() -> int:
@@ -440,13 +429,15 @@ def test_fa4_checks_take_keys_from_their_own_workspace():
         fa4_sm90.check_fa4_args("f", q, k, v, cu, 6, 0.1, True)
 
 
-def test_kernel_config_mirrors_fa4s_sm90_tiles():
-    assert fa4_sm90.kernel_config(192, 128, True) == (128, 128, True, True)
-    assert fa4_sm90.kernel_config(128, 128, True) == (128, 128, True, True)
-    assert fa4_sm90.kernel_config(64, 64, True) == (192, 128, True, True)
-    assert fa4_sm90.kernel_config(96, 96, False) == (192, 144, False, True)
+def test_kernel_config_is_fa4s_sm90_choice_until_the_table_says_otherwise():
+    """(tile_m, tile_n, num_stages, intra_wg_overlap, mma_pv_is_rs); the table and its validity:
+    tests/kernels/test_fa4_launch.py."""
+    assert tuple(fa4_sm90.kernel_config(192, 128, True, 512)) == (128, 128, 2, True, True)
+    assert tuple(fa4_sm90.kernel_config(128, 128, True, 8192)) == (128, 128, 2, True, True)
+    assert tuple(fa4_sm90.kernel_config(64, 64, True)) == (192, 128, 2, True, True)
+    assert tuple(fa4_sm90.kernel_config(96, 96, False)) == (192, 144, 2, True, False)
     for d, dv in fa4_sm90.SUPPORTED_HEAD_DIMS:
-        tile_m = fa4_sm90.kernel_config(d, dv, True)[0]
+        tile_m = fa4_sm90.kernel_config(d, dv, True).tile_m
         assert (128 * tile_m // 64) % (dv // 16) == 0
 
 

@@ -46,7 +46,8 @@ def test_the_first_fa4_compile_of_a_configuration_logs_one_info_line_with_its_ti
     lines = [line for line in result.stderr.splitlines() if line.startswith("LOG fusion_pass INFO fusion_pass: fa4:")]
     assert len(lines) == 2, result.stderr[-3000:]  # bf16 once (the token count is a run-time value), then fp16
     pattern = (r"LOG fusion_pass INFO fusion_pass: fa4: compiled the SM90 NVFP4 attention kernel \({}, head dims "
-               r"\(192, 128\), 1 query heads per KV head, causal=True, tile \d+x\d+\) in \d+\.\d s; once per "
+               r"\(192, 128\), 1 query heads per KV head, causal=True, tile 128x128, 2 stages, overlap=True, PV from "
+               r"registers\) in \d+\.\d s; once per "
                r"configuration and process")
     assert re.fullmatch(pattern.format("bfloat16"), lines[0]), lines[0]
     assert re.fullmatch(pattern.format("float16"), lines[1]), lines[1]

@@ -196,3 +196,12 @@ def test_the_generation_dispatch(monkeypatch, arch, generation, words):
         assert ok and why == f"{generation} kernel"
         assert forward.supported_head_dims("cuda") == {"sm90": forward.sm90, "sm100": sm100}[generation].SUPPORTED_HEAD_DIMS
     assert forward.fa4_usable("cpu", torch.bfloat16, 16, 128, 128) == (False, "fa4 runs on CUDA devices only, got cpu")
+
+
+def test_sm100_config_class_decides_the_configuration():
+    """The launcher keys SM100 plans and compilations on ``config_class(max_seqlen)``; the configuration must
+    depend on the longest sequence through it alone."""
+    for d, dv in sm100.SUPPORTED_HEAD_DIMS:
+        for m in (0, 1, 127, 128, 129, 700, 4096):
+            cls = sm100.config_class(m)
+            assert sm100.kernel_config(d, dv, m) == sm100.kernel_config(d, dv, sm100.TILE_M + 1 if cls else 1), (d, m)

@@ -1,9 +1,8 @@
 """What the FA4 NVFP4 kernels of every GPU generation share on the host (imports without FA4).
 
-The pinned releases, the import status, argument checks of q/k/v and of the NVFP4 output buffers, the
+The pinned releases, the import status, argument checks of q/k/v and of the NVFP4 output buffers, and the
 compile cache (one per process, keyed by kernel and configuration, logging each compilation at INFO on the
-``fusion_pass`` logger), and the fused call itself (:func:`run_fused`: checks, compile, zero the scale padding,
-launch).
+``fusion_pass`` logger). The per-call path is :mod:`.launch`.
 :mod:`.sm90` and :mod:`.sm100` add what differs: the FA4 class, its tile configuration, the head dims.
 """
 
@@ -22,8 +21,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from fusion_pass.kernels.checks import check_cu_seqlens_k, check_max_seqlen_k, check_qkv, describe, \
-    zero_nvfp4_scale_padding
+from fusion_pass.kernels.checks import check_cu_seqlens_k, check_max_seqlen_k, check_qkv, describe
 
 __all__ = [
     "CUTLASS_DSL_VERSION",
@@ -39,7 +37,6 @@ __all__ = [
     "is_fake_mode",
     "kernel_usable",
     "layout_key",
-    "run_fused",
     "scale_bytes_of",
     "unused_o",
 ]
@@ -279,25 +276,3 @@ def compiled(cache_name: str, key: tuple, build: Callable[[], object], what: str
             logger.info("fusion_pass: fa4: compiled %s in %.1f s; once per configuration and process", what,
                         time.perf_counter() - started)
         return cache[key]
-
-
-def run_fused(fn: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float,
-              causal: bool, output: Tensor, output_scale: Tensor, output_block_scale: Tensor,
-              cu_seqlens_k: Tensor | None, max_seqlen_k: int | None, *, check_args: Callable, check_buffers: Callable,
-              compile_kernel: Callable) -> None:
-    """The fused call of either generation: check the arguments and buffers, compile (on a miss), zero the scale
-    padding, launch. ``compile_kernel(q, k, v, o, packed, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k,
-    max_seqlen, causal)`` returns the compiled kernel and the run-time arguments that follow ``cu_seqlens_k``."""
-    check_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
-    check_buffers(fn, q, v, output, output_scale, output_block_scale)
-    scale_bytes = scale_bytes_of(output_block_scale)
-    packed = output.view(torch.uint8).view(q.shape[0], -1)
-    if q.shape[0] == 0:
-        return
-    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    o = unused_o(q, v.shape[2])
-    kernel, tail = compile_kernel(q, k, v, o, packed, output_scale, scale_bytes, cu_seqlens, cu_k, max_seqlen, causal)
-    if is_fake_mode():  # compile-only checks
-        return
-    zero_nvfp4_scale_padding(scale_bytes, q.shape[0], q.shape[1] * v.shape[2])
-    kernel(q, k, v, o, packed, scale_bytes, output_scale, float(softmax_scale), cu_seqlens, cu_k, *tail)

@@ -56,8 +56,17 @@ def fa4_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int) ->
     return usable(device, dtype, num_heads, head_dim, head_dim_v)
 
 
+_by_device: dict[torch.device, object] = {}
+
+
 def _for(fn: str, q: Tensor):
+    if type(q) is Tensor:  # real tensors: the device's generation, looked up once
+        module = _by_device.get(q.device)
+        if module is not None:
+            return module
     module = _module(q.device) if isinstance(q, Tensor) else None
+    if module is not None and type(q) is Tensor and not common.is_fake_mode():
+        _by_device[q.device] = module
     if module is None:
         where = q.device if isinstance(q, Tensor) else "no tensor"
         raise ValueError(f"{fn}: q must be a CUDA tensor on an SM90 or SM100/SM110 GPU, got {where}")
@@ -68,10 +77,10 @@ def fa4_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
                          softmax_scale: float, cu_seqlens_k: Tensor | None = None, max_seqlen_k: int | None = None,
                          return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """FA4's varlen forward in the query dtype ``[T, H, Dv]`` (and float32 ``lse [T, H]`` with ``return_lse``):
-    :func:`.sm90.fa4_attention_varlen` on Hopper, :func:`.sm100.fa4_attention_varlen` on Blackwell."""
-    return _for("fa4_attention_varlen", q).fa4_attention_varlen(
-        q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_k=max_seqlen_k, return_lse=return_lse)
+    the twin of the fused kernel, :func:`.sm90.fa4_attention_varlen` on Hopper, :func:`.sm100.fa4_attention_varlen`
+    on Blackwell (their launchers, called directly)."""
+    return _for("fa4_attention_varlen", q).TWIN(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k,
+                                                max_seqlen_k, return_lse)
 
 
 def fa4_attention_nvfp4_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, max_seqlen: int,
@@ -80,7 +89,5 @@ def fa4_attention_nvfp4_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: T
                                max_seqlen_k: int | None = None) -> None:
     """The fused NVFP4 forward into the caller's buffers: :func:`.sm90.fa4_attention_nvfp4_varlen` on Hopper,
     :func:`.sm100.fa4_attention_nvfp4_varlen` on Blackwell (same arguments, same bytes)."""
-    _for("fa4_attention_nvfp4_varlen", q).fa4_attention_nvfp4_varlen(
-        q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=causal,
-        output=output, output_scale=output_scale, output_block_scale=output_block_scale, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_k=max_seqlen_k)
+    _for("fa4_attention_nvfp4_varlen", q).FUSED(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, output,
+                                                output_scale, output_block_scale, cu_seqlens_k, max_seqlen_k)

@@ -26,17 +26,20 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
 from torch import Tensor
 
 from fusion_pass.kernels.fa4 import common
 from fusion_pass.kernels.fa4.common import fa4_interface
+from fusion_pass.kernels.fa4.launch import FusedLauncher, TwinLauncher
 
 __all__ = [
     "KERNEL_VERSION",
     "SUPPORTED_HEAD_DIMS",
+    "FUSED",
     "KernelConfig",
+    "TWIN",
     "check_fa4_args",
+    "config_class",
     "fa4_attention_nvfp4_varlen",
     "fa4_attention_varlen",
     "fa4_import_status",
@@ -97,11 +100,17 @@ def fa4_sm100_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: i
                                 families=(10, 11), label="SM100/SM110", gpus="B200, GB200", head_dims=SUPPORTED_HEAD_DIMS)
 
 
-def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen: int, causal: bool, *, lse=None,
+def config_class(max_seqlen: int, max_seqlen_k: int | None = None) -> int:
+    """1 when the longest query sequence exceeds one 128-row tile (two Q tiles per CTA where the head dims allow),
+    else 0: what FA4's SM100 configuration depends on besides the head dims."""
+    return 1 if max_seqlen > TILE_M else 0
+
+
+def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, cls: int, causal: bool, *, lse=None,
              output=None, output_scale=None, scale_bytes=None):
-    """The compiled fused kernel (``fused``) or its twin, for these tensors' static properties and
-    ``max_seqlen``'s configuration (compiling on a miss). Works on fake ``device="cuda"`` tensors under
-    ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_100a`` (compile-only)."""
+    """The compiled fused kernel (``fused``) or its twin, for these tensors' static properties and the
+    configuration of class ``cls`` (:func:`config_class`; compiling on a miss). Works on fake ``device="cuda"``
+    tensors under ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_100a`` (compile-only)."""
     interface = fa4_interface()
     import cutlass
     import cutlass.cute as cute
@@ -111,6 +120,7 @@ def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen: int,
 
     d, dv = q.shape[2], v.shape[2]
     qhead_per_kvhead = q.shape[1] // k.shape[1]
+    max_seqlen = TILE_M + 1 if cls else 1  # a length of the class: the kernel takes the real one at run time
     cfg = kernel_config(d, dv, max_seqlen)
     dtype = interface.torch2cute_dtype_map[q.dtype]
     kind = "nvfp4" if fused else ("twin+lse" if lse is not None else "twin")
@@ -118,8 +128,8 @@ def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen: int,
         + common.layout_key(q.device, q, k, v)
 
     def build():
-        cls = FlashAttentionForwardSm100Nvfp4 if fused else FlashAttentionForwardSm100Twin
-        kernel = cls(
+        kernel_class = FlashAttentionForwardSm100Nvfp4 if fused else FlashAttentionForwardSm100Twin
+        kernel = kernel_class(
             d,
             dv,
             qhead_per_kvhead=qhead_per_kvhead,
@@ -150,7 +160,7 @@ def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen: int,
             0.1,  # softmax_scale: a run-time Float32
             cu,
             cu_k,
-            cutlass.Int32(max(max_seqlen, 1)),
+            cutlass.Int32(max_seqlen),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=interface._compile_options(getattr(kernel, "ptxas_options", "")),
         )
@@ -158,6 +168,22 @@ def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen: int,
     what = (f"the SM100 {'NVFP4' if fused else 'twin (FA4 output stage)'} attention kernel ({str(q.dtype).replace('torch.', '')}, "
             f"head dims ({d}, {dv}), {qhead_per_kvhead} query heads per KV head, causal={causal}, {cfg})")
     return common.compiled("fusion_pass_fa4_sm100", key, build, what)
+
+
+def _compile_fused(q, k, v, o, packed, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k, cls, causal):
+    return _compile(True, q, k, v, o, cu_seqlens, cu_seqlens_k, cls, causal, output=packed,
+                    output_scale=output_scale, scale_bytes=scale_bytes)
+
+
+def _compile_twin(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, cls, causal):
+    return _compile(False, q, k, v, out, cu_seqlens, cu_seqlens_k, cls, causal, lse=lse)
+
+
+FUSED = FusedLauncher("fa4_attention_nvfp4_varlen", check_args=check_fa4_args, check_buffers=common.check_nvfp4_buffers,
+                      config_class=config_class, compile_kernel=_compile_fused, max_seqlen_arg=True)
+TWIN = TwinLauncher("fa4_attention_varlen", check_args=check_fa4_args, config_class=config_class,
+                    compile_kernel=_compile_twin, max_seqlen_arg=True)
+"""The launchers of the entry points below (:mod:`fusion_pass.kernels.fa4.launch`; :mod:`.forward` calls them)."""
 
 
 def fa4_attention_varlen(
@@ -178,19 +204,7 @@ def fa4_attention_varlen(
     Arguments and results as :func:`fusion_pass.kernels.fa4.sm90.fa4_attention_varlen` (``[T, H, Dv]`` in q's
     dtype; with ``return_lse`` also float32 ``lse [T, H]``, a transposed view of FA4's ``[H, T]``). Rows
     outside ``[cu_seqlens[0], cu_seqlens[B])`` are not written."""
-    fn = "fa4_attention_varlen"
-    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
-    if not isinstance(return_lse, bool):
-        raise ValueError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
-    t, h = q.shape[0], q.shape[1]
-    out = torch.empty((t, h, v.shape[2]), dtype=q.dtype, device=q.device)
-    lse = torch.empty((h, t), dtype=torch.float32, device=q.device) if return_lse else None
-    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    if t:
-        kernel = _compile(False, q, k, v, out, cu_seqlens, cu_k, max_seqlen, causal, lse=lse)
-        if not common.is_fake_mode():
-            kernel(q, k, v, out, lse, float(softmax_scale), cu_seqlens, cu_k, max(max_seqlen, 1))
-    return (out, lse.t()) if return_lse else out
+    return TWIN(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k, return_lse)
 
 
 def fa4_attention_nvfp4_varlen(
@@ -212,13 +226,6 @@ def fa4_attention_nvfp4_varlen(
 
     Arguments and what is written as :func:`fusion_pass.kernels.fa4.sm90.fa4_attention_nvfp4_varlen`:
     ``output`` one-byte ``[T, H*Dv/2]``, ``output_scale`` float32 ``[1]`` (read on the device),
-    ``output_block_scale`` the swizzled e4m3 scales (padding zeroed before the launch)."""
-    common.run_fused("fa4_attention_nvfp4_varlen", q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, output,
-                     output_scale, output_block_scale, cu_seqlens_k, max_seqlen_k, check_args=check_fa4_args,
-                     check_buffers=common.check_nvfp4_buffers, compile_kernel=_compile_fused)
-
-
-def _compile_fused(q, k, v, o, packed, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k, max_seqlen, causal):
-    kernel = _compile(True, q, k, v, o, cu_seqlens, cu_seqlens_k, max_seqlen, causal, output=packed,
-                      output_scale=output_scale, scale_bytes=scale_bytes)
-    return kernel, (max(max_seqlen, 1),)
+    ``output_block_scale`` the swizzled e4m3 scales (padding zeroed by the launcher)."""
+    FUSED(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, output, output_scale, output_block_scale,
+          cu_seqlens_k, max_seqlen_k)

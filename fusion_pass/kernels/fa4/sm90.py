@@ -2,26 +2,35 @@
 
 Entry points (tensors in, tensors out; no knowledge of backends or batches):
 
-* :func:`fa4_attention_varlen` — FA4's own varlen forward
-  (``flash_attn.cute.flash_attn_varlen_func``) with ``pack_gqa=False`` and
-  ``num_splits=1``, the configuration the fused kernel shares;
+* :func:`fa4_attention_varlen` — the *twin*: FA4's SM90 forward class
+  (:class:`~fusion_pass.kernels.fa4.sm90_twin.FlashAttentionForwardSm90Twin`) built with the fused kernel's
+  configuration and compile options and run with FA4's own epilogue (optionally with its log-sum-exp), so
+  ``nvfp4.quantize(fa4_attention_varlen(...))`` and the fused call give the same bytes by construction;
 * :func:`fa4_attention_nvfp4_varlen` — :class:`~fusion_pass.kernels.fa4.sm90_kernel.FlashAttentionForwardSm90Nvfp4`
   (FA4's SM90 kernel with an NVFP4 epilogue) writing into the caller's buffers.
 
 Both take an optional ``cu_seqlens_k``: keys/values in their own packed workspace (cached
 context followed by the new tokens), causal aligned bottom-right as FA4 does it.
 
+Configuration: per (head dims, causal, sequence-length class of the call) from
+:mod:`fusion_pass.kernels.fa4.sm90_configs` (FA4's own choice unless its table says otherwise), the same for the
+fused kernel and the twin; part of the compile key.
+
+Per call (:mod:`fusion_pass.kernels.fa4.launch`): the first call of a kind checks every argument
+(:func:`check_fa4_args`, :func:`check_nvfp4_buffers`), compiles on a miss and keeps a plan; later calls check
+sizes, addresses and scalars on the host (no sync), look the plan up and launch.
+
 This module imports without FA4: ``flash_attn.cute`` / ``cutlass`` are imported on the first
-call, after the arguments are checked (:func:`check_fa4_args`). Needs the ``fa4`` extra
+call, after the arguments are checked. Needs the ``fa4`` extra
 (``pip install 'attn-nvfp4-fusion[fa4]'``), pinned to the release the subclass was written
 against (:data:`FA4_VERSION`, :data:`CUTLASS_DSL_VERSION`; ``docs/fa4.md``).
 
 Compilation: the first call per configuration compiles (a few seconds, logged at INFO on the
 ``fusion_pass`` logger with the configuration and the time it took); the compiled
 function is kept in an FA4 ``get_jit_cache`` cache whose key starts with
-:data:`KERNEL_VERSION` (FA4's persistent cache fingerprints only FA4's own sources, so an edit
-to our subclass must change that string). Token counts, batch size and head count are
-run-time values: one compilation serves every batch of a layer.
+:data:`KERNEL_VERSION` (:data:`TWIN_VERSION` for the twin; FA4's persistent cache fingerprints only FA4's own
+sources, so an edit to our subclass must change that string). Token counts, batch size and head count are
+run-time values: one compilation serves every batch of a layer and configuration.
 """
 
 from __future__ import annotations
@@ -30,13 +39,18 @@ from torch import Tensor
 
 from fusion_pass.kernels.fa4 import common
 from fusion_pass.kernels.fa4.common import FA4_INSTALL_HINT, FA4_VERSION, CUTLASS_DSL_VERSION, fa4_interface
+from fusion_pass.kernels.fa4.launch import FusedLauncher, TwinLauncher
+from fusion_pass.kernels.fa4.sm90_configs import Sm90Config, config_for, seqlen_class, why_invalid
 
 __all__ = [
     "FA4_VERSION",
     "CUTLASS_DSL_VERSION",
     "KERNEL_VERSION",
+    "TWIN_VERSION",
     "SUPPORTED_HEAD_DIMS",
     "FA4_INSTALL_HINT",
+    "FUSED",
+    "TWIN",
     "fa4_import_status",
     "fa4_sm90_usable",
     "check_fa4_args",
@@ -44,17 +58,20 @@ __all__ = [
     "fa4_attention_varlen",
     "fa4_attention_nvfp4_varlen",
     "compile_nvfp4_kernel",
+    "compile_twin_kernel",
     "kernel_config",
+    "launchers",
 ]
 
-KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/2"
+KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/4"
 """First element of the compile-cache key; bump it whenever ``sm90_kernel.py`` or ``nvfp4_block.py`` changes."""
+
+TWIN_VERSION = "fusion_pass.fa4_sm90_twin/1"
+"""First element of the twin's compile-cache key; bump it whenever ``sm90_twin.py`` changes."""
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
 """``(D, Dv)`` pairs of the fused kernel: FA4 SM90 head dims whose ``Dv`` fills the kernel's
 ``tile_hdimv`` exactly and divides into whole 16-element blocks per epilogue thread."""
-
-_BLOCK = 16
 
 
 def fa4_import_status() -> tuple[bool, str]:
@@ -63,23 +80,11 @@ def fa4_import_status() -> tuple[bool, str]:
     return common.fa4_import_status("sm90_kernel")
 
 
-def kernel_config(head_dim: int, head_dim_v: int, causal: bool) -> tuple[int, int, bool, bool]:
-    """``(tile_m, tile_n, mma_pv_is_rs, intra_wg_overlap)``: FA4 4.0.0b36's SM90 choice
-    (``interface._tile_size_fwd_sm90``), restated here so the checks need no FA4. The
-    compile path asks FA4 itself and fails loudly if the two disagree."""
-    if head_dim <= 64:
-        return 192, 128, True, True
-    if head_dim <= 96:
-        return 192, 128 if causal else 144, False, True
-    if head_dim <= 128:
-        return 128, 128, True, True
-    if head_dim <= 192:
-        return 128, 128 if head_dim_v <= 128 else 112, True, True
-    return 128, 80, True, True
-
-
-def _epilogue_threads(tile_m: int) -> int:
-    return 128 * (tile_m // 64)  # FA4 SM90: one 128-thread warpgroup per 64 rows of the tile
+def kernel_config(head_dim: int, head_dim_v: int, causal: bool, max_seqlen: int = 0,
+                  max_seqlen_k: int | None = None) -> Sm90Config:
+    """The configuration a call runs with (:func:`fusion_pass.kernels.fa4.sm90_configs.config_for` of its
+    sequence-length class): FA4 4.0.0b36's own SM90 choice unless the table says otherwise."""
+    return config_for(head_dim, head_dim_v, causal, seqlen_class(max_seqlen, max_seqlen_k))
 
 
 def check_fa4_args(
@@ -94,14 +99,8 @@ def check_fa4_args(
 
 
 def check_nvfp4_buffers(fn: str, q, v, output, output_scale, output_block_scale) -> None:
-    """The fused kernel's output buffers (no FA4 import, no sync)."""
-    dv = v.shape[2]
-    tile_m = kernel_config(q.shape[2], dv, True)[0]
-    if _epilogue_threads(tile_m) % (dv // _BLOCK):
-        raise ValueError(
-            f"{fn}: v's head dim Dv={dv} splits into {dv // _BLOCK} blocks of 16, which does not divide the "
-            f"{_epilogue_threads(tile_m)} epilogue threads of a {tile_m}-row tile"
-        )
+    """The fused kernel's output buffers (no FA4 import, no sync). Whether the epilogue fits a configuration
+    (whole blocks per thread) is checked per configuration when it is compiled (:func:`why_invalid`)."""
     common.check_nvfp4_buffers(fn, q, v, output, output_scale, output_block_scale)
 
 
@@ -112,12 +111,44 @@ def fa4_sm90_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: in
                                 families=(9,), label="SM90", gpus="H100/H200", head_dims=SUPPORTED_HEAD_DIMS)
 
 
-def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k, max_seqlen, causal):
-    """``(compiled fused kernel, ())`` for these tensors' static properties (compiling on a miss); ``()``: no
-    run-time arguments after ``cu_seqlens_k`` (:func:`fusion_pass.kernels.fa4.common.run_fused`).
+def _valid(cfg: Sm90Config, d: int, dv: int, fused: bool) -> Sm90Config:
+    why = why_invalid(cfg, d, dv, fused=fused)
+    if why is not None:
+        raise RuntimeError(f"fa4: configuration {cfg} cannot run head dims ({d}, {dv}): {why}")
+    return cfg
+
+
+def _constructor(cls, dtype, d: int, dv: int, qhead_per_kvhead: int, causal: bool, cfg: Sm90Config):
+    """The fused kernel and the twin are built by this one call: same class arguments, same configuration."""
+    return cls(
+        dtype,
+        d,
+        dv,
+        qhead_per_kvhead,
+        is_causal=causal,
+        is_local=False,
+        pack_gqa=False,
+        tile_m=cfg.tile_m,
+        tile_n=cfg.tile_n,
+        num_stages=cfg.num_stages,
+        num_threads=384,
+        Q_in_regs=False,
+        intra_wg_overlap=cfg.intra_wg_overlap,
+        mma_pv_is_rs=cfg.mma_pv_is_rs,
+    )
+
+
+def _describe(q, d, dv, qhead_per_kvhead, causal, cfg) -> str:
+    return (f"{str(q.dtype).replace('torch.', '')}, head dims ({d}, {dv}), {qhead_per_kvhead} query heads per KV "
+            f"head, causal={causal}, {cfg.describe()}")
+
+
+def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k, config: Sm90Config,
+                         causal):
+    """The compiled fused kernel for these tensors' static properties and ``config`` (compiling on a miss).
 
     ``cu_seqlens_k`` only shapes the compile arguments: the token counts, ``max_seqlen`` and the two offset
-    tensors are run-time values, so one compilation serves every call of a layer.
+    tensors are run-time values, so one compilation serves every call of a layer and configuration.
 
     Works on real CUDA tensors and, for compile-only checks without a GPU, on fake
     ``device="cuda"`` tensors under ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_90a``.
@@ -129,39 +160,15 @@ def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqle
     from fusion_pass.kernels.fa4.sm90_kernel import FlashAttentionForwardSm90Nvfp4
 
     d, dv = q.shape[2], v.shape[2]
+    cfg = _valid(config, d, dv, True)
     qhead_per_kvhead = q.shape[1] // k.shape[1]
-    cfg = interface._tile_size_fwd_sm90(d, dv, causal, False)
-    mine = kernel_config(d, dv, causal)
-    theirs = (cfg.m_block_size, cfg.n_block_size, cfg.mma_pv_is_rs, cfg.intra_wg_overlap)
-    if mine != theirs:
-        raise RuntimeError(
-            f"fa4: the installed FA4 picks tiles {theirs} for head dims ({d}, {dv}), this kernel expects {mine}; "
-            f"it was written against flash-attn-4=={FA4_VERSION} (docs/fa4.md)"
-        )
     dtype = interface.torch2cute_dtype_map[q.dtype]
-    key = (KERNEL_VERSION, dtype, d, dv, qhead_per_kvhead, causal) + theirs + common.layout_key(q.device, q, k, v)
+    key = (KERNEL_VERSION, dtype, d, dv, qhead_per_kvhead, causal) + tuple(cfg) + common.layout_key(q.device, q, k, v)
 
     def build():
-        kernel = FlashAttentionForwardSm90Nvfp4(
-            dtype,
-            d,
-            dv,
-            qhead_per_kvhead,
-            is_causal=causal,
-            is_local=False,
-            pack_gqa=False,
-            tile_m=cfg.m_block_size,
-            tile_n=cfg.n_block_size,
-            num_stages=2,
-            num_threads=384,
-            Q_in_regs=False,
-            intra_wg_overlap=cfg.intra_wg_overlap,
-            mma_pv_is_rs=cfg.mma_pv_is_rs,
-        )
+        kernel = _constructor(FlashAttentionForwardSm90Nvfp4, dtype, d, dv, qhead_per_kvhead, causal, cfg)
         if kernel.tile_hdimv != dv:  # the epilogue assumes Dv fills the tile (no hdim predication)
             raise RuntimeError(f"fa4: unexpected FA4 tile for Dv={dv}: tile_hdimv={kernel.tile_hdimv}")
-        cu = to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0)
-        cu_k = to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0)
         return cute.compile(
             kernel,
             to_cute_tensor(q),
@@ -172,15 +179,85 @@ def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqle
             to_cute_tensor(scale_bytes, leading_dim=0),
             to_cute_tensor(output_scale, assumed_align=4, leading_dim=0),
             0.1,  # softmax_scale: a run-time Float32
-            cu,
-            cu_k,
+            to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0),
+            to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0),
             cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
             options=interface._compile_options(),
         )
 
-    what = (f"the SM90 NVFP4 attention kernel ({str(q.dtype).replace('torch.', '')}, head dims ({d}, {dv}), "
-            f"{qhead_per_kvhead} query heads per KV head, causal={causal}, tile {cfg.m_block_size}x{cfg.n_block_size})")
-    return common.compiled("fusion_pass_fa4_sm90_nvfp4", key, build, what), ()
+    what = f"the SM90 NVFP4 attention kernel ({_describe(q, d, dv, qhead_per_kvhead, causal, cfg)})"
+    return common.compiled("fusion_pass_fa4_sm90_nvfp4", key, build, what)
+
+
+def compile_twin_kernel(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, config: Sm90Config, causal):
+    """The compiled twin (FA4's SM90 class, FA4's epilogue) for these tensors' static properties and ``config``;
+    ``lse``: None or float32 ``[H, T]`` (compiled separately). Same constructor arguments and compile options as
+    :func:`compile_nvfp4_kernel`."""
+    interface = fa4_interface()
+    import cutlass.cute as cute
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+
+    from fusion_pass.kernels.fa4.sm90_twin import FlashAttentionForwardSm90Twin
+
+    d, dv = q.shape[2], v.shape[2]
+    cfg = _valid(config, d, dv, False)
+    qhead_per_kvhead = q.shape[1] // k.shape[1]
+    dtype = interface.torch2cute_dtype_map[q.dtype]
+    kind = "twin" if lse is None else "twin+lse"
+    key = (TWIN_VERSION, kind, dtype, d, dv, qhead_per_kvhead, causal) + tuple(cfg) \
+        + common.layout_key(q.device, q, k, v)
+
+    def build():
+        kernel = _constructor(FlashAttentionForwardSm90Twin, dtype, d, dv, qhead_per_kvhead, causal, cfg)
+        return cute.compile(
+            kernel,
+            to_cute_tensor(q),
+            to_cute_tensor(k),
+            to_cute_tensor(v),
+            to_cute_tensor(out),
+            None if lse is None else to_cute_tensor(lse, assumed_align=4),
+            0.1,  # softmax_scale: a run-time Float32
+            to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0),
+            to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options=interface._compile_options(),
+        )
+
+    what = (f"the SM90 twin (FA4 epilogue{', LSE' if lse is not None else ''}) attention kernel "
+            f"({_describe(q, d, dv, qhead_per_kvhead, causal, cfg)})")
+    return common.compiled("fusion_pass_fa4_sm90_twin", key, build, what)
+
+
+def launchers(config: Sm90Config | None = None) -> tuple[FusedLauncher, TwinLauncher]:
+    """The fused and the twin launcher (:mod:`fusion_pass.kernels.fa4.launch`). ``config`` None: each call's
+    configuration from the table (:func:`kernel_config`); else that one for every call (``bench/tune.py``)."""
+    if config is None:
+        config_class = seqlen_class
+
+        def pick(q, v, cls, causal):
+            return config_for(q.shape[2], v.shape[2], causal, cls)
+    else:
+        def config_class(max_seqlen, max_seqlen_k):
+            return 0
+
+        def pick(q, v, cls, causal):
+            return config
+
+    def fused(q, k, v, o, packed, output_scale, scale_bytes, cu, cu_k, cls, causal):
+        return compile_nvfp4_kernel(q, k, v, o, packed, output_scale, scale_bytes, cu, cu_k, pick(q, v, cls, causal),
+                                    causal)
+
+    def twin(q, k, v, out, lse, cu, cu_k, cls, causal):
+        return compile_twin_kernel(q, k, v, out, lse, cu, cu_k, pick(q, v, cls, causal), causal)
+
+    return (FusedLauncher("fa4_attention_nvfp4_varlen", check_args=check_fa4_args, check_buffers=check_nvfp4_buffers,
+                          config_class=config_class, compile_kernel=fused, max_seqlen_arg=False),
+            TwinLauncher("fa4_attention_varlen", check_args=check_fa4_args, config_class=config_class,
+                         compile_kernel=twin, max_seqlen_arg=False))
+
+
+FUSED, TWIN = launchers()
+"""The launchers of the entry points below (:mod:`.forward` calls them directly)."""
 
 
 def fa4_attention_varlen(
@@ -196,20 +273,18 @@ def fa4_attention_varlen(
     max_seqlen_k: int | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """FA4's varlen forward: ``[T, H, Dv]`` in q's dtype (and the log-sum-exp).
+    """FA4's varlen forward (the twin): ``[T, H, Dv]`` in q's dtype (and the log-sum-exp).
 
     ``q [T, H, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]`` (bf16/fp16, ``(D, Dv)`` in
     :data:`SUPPORTED_HEAD_DIMS`); ``cu_seqlens`` int32 ``[B+1]`` delimits the queries (and
     output rows: sequence ``b`` at rows ``[c[b], c[b+1])``, which may start past row 0),
     ``cu_seqlens_k`` (default ``cu_seqlens``; then ``Tk == T``) the keys/values; their values
-    are not checked. ``max_seqlen`` / ``max_seqlen_k`` bound the query / key lengths
-    (``max_seqlen_k`` defaults to ``max_seqlen`` without ``cu_seqlens_k``, to FA4's ``Tk``
-    with it). Causal masking is bottom-right aligned when ``Lk != Lq``: query ``i`` sees keys
-    ``j <= i + (Lk - Lq)`` (FA4 4.0.0b36 ``mask.py`` ``apply_mask``: column limit
-    ``row + 1 + seqlen_k - seqlen_q``; ``block_info.get_n_block_min_max`` likewise).
-    Runs with ``pack_gqa=False, num_splits=1``: the main loop of the fused kernel, so that
-    ``nvfp4.quantize(fa4_attention_varlen(...))`` and :func:`fa4_attention_nvfp4_varlen`
-    produce the same bytes.
+    are not checked. ``max_seqlen`` / ``max_seqlen_k`` bound the query / key lengths and pick the
+    configuration's sequence-length class (the kernel reads lengths from the offsets). Causal masking is
+    bottom-right aligned when ``Lk != Lq``: query ``i`` sees keys ``j <= i + (Lk - Lq)`` (FA4 4.0.0b36
+    ``mask.py`` ``apply_mask``: column limit ``row + 1 + seqlen_k - seqlen_q``; ``block_info.get_n_block_min_max``
+    likewise). FA4's SM90 class with the configuration of :func:`fa4_attention_nvfp4_varlen`, ``pack_gqa=False``
+    and one CTA per tile: ``nvfp4.quantize(fa4_attention_varlen(...))`` and the fused call produce the same bytes.
 
     Returns:
         ``out``; with ``return_lse``, ``(out, lse)`` where ``lse`` float32 ``[T, H]`` is
@@ -217,27 +292,7 @@ def fa4_attention_varlen(
         FA4's ``[H, T]`` varlen LSE (strides ``(1, T)``, not contiguous; no copy). Rows
         outside ``[cu_seqlens[0], cu_seqlens[B])`` of both are not written.
     """
-    fn = "fa4_attention_varlen"
-    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
-    if not isinstance(return_lse, bool):
-        raise ValueError(f"{fn}: return_lse must be a bool, got {return_lse!r}")
-    interface = fa4_interface()
-    result = interface.flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_k=cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen if cu_seqlens_k is None else max_seqlen_k,
-        softmax_scale=float(softmax_scale),
-        causal=causal,
-        num_splits=1,
-        pack_gqa=False,
-        return_lse=return_lse,
-    )
-    out, lse = result if isinstance(result, tuple) else (result, None)
-    return (out, lse.t()) if return_lse else out
+    return TWIN(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k, return_lse)
 
 
 def fa4_attention_nvfp4_varlen(
@@ -268,11 +323,9 @@ def fa4_attention_nvfp4_varlen(
     ``[cu_seqlens[0], cu_seqlens[B])`` (every row when they span ``0 .. T``; the epilogue
     stores at ``seqlen.offset_q + row``, the query's global row). The scale buffer's padding
     entries (rows ``T .. round_up(T,128)-1`` inside the last 128-row band, and columns
-    ``H*Dv/16 .. round_up(H*Dv/16,4)-1`` of every row) are zeroed before the launch with a
-    few strided fills; no other byte is touched, so rows outside the sequences keep theirs.
-    ``max_seqlen_k`` is accepted for :func:`fa4_attention_varlen`'s signature: the fused
-    kernel reads key lengths from ``cu_seqlens_k`` alone.
+    ``H*Dv/16 .. round_up(H*Dv/16,4)-1`` of every row) are zeroed by the launcher (one
+    ``index_fill_`` when there are padding rows); no other byte is touched, so rows outside the
+    sequences keep theirs.
     """
-    common.run_fused("fa4_attention_nvfp4_varlen", q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, output,
-                     output_scale, output_block_scale, cu_seqlens_k, max_seqlen_k, check_args=check_fa4_args,
-                     check_buffers=check_nvfp4_buffers, compile_kernel=compile_nvfp4_kernel)
+    FUSED(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, output, output_scale, output_block_scale,
+          cu_seqlens_k, max_seqlen_k)

@@ -12,6 +12,11 @@ The same kernel also writes ``M`` rows at a row offset into the buffers of a
 larger ``T``-row matrix, leaving every other row and the padding rows alone
 (:func:`quantize_rows_launch`; ``docs/nvfp4.md``, "Writing a range of rows").
 
+Two kernels, same bytes: the block kernel (float16 / bfloat16: a thread per 16-element block,
+one magic add per element; docs/nvfp4.md, "The Triton quantizer's design"), tiles by input size
+(:data:`QUANT_CONFIGS`, :func:`select_config`); and the element-pair kernel (float32 inputs, packed
+buffers not 8-byte aligned; :data:`LEGACY_CONFIG`).
+
 :func:`quantize_launch` and :func:`quantize_rows_launch` are the unvalidated launchers
 (callers have checked the arguments: the public entry points are :func:`fusion_pass.kernels.quantize`
 and :func:`fusion_pass.kernels.quantize_rows_into`).
@@ -24,12 +29,24 @@ import triton
 import triton.language as tl
 
 from fusion_pass import nvfp4
-from fusion_pass.kernels.triton.nvfp4_math import load_pairs, quantize_pairs, swizzled_scale_offset
+from fusion_pass.kernels.triton.nvfp4_math import load_pairs, quantize_pairs, quantize_words, swizzled_scale_offset
 
-__all__ = ["QUANT_CONFIG", "quantize_launch", "quantize_rows_launch"]
+__all__ = ["LEGACY_CONFIG", "QUANT_CONFIGS", "quantize_launch", "quantize_rows_launch", "select_config"]
 
-QUANT_CONFIG = {"BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 4}
-"""Tile of one program (rows x columns) and its warps; chosen on the H200 (docs/benchmarks.md)."""
+LEGACY_CONFIG = {"kernel": "pairs", "BLOCK_M": 16, "BLOCK_K": 512, "num_warps": 4}
+"""The element-pair kernel (float32 inputs, and the sweep's "before" line): tile of one program
+(rows x columns) and its warps."""
+
+QUANT_CONFIGS = (  # (input bytes at least, config): the first entry whose bound the input reaches
+    (40 << 20, {"kernel": "words", "BLOCK_M": 8, "BLOCK_C": 64, "num_warps": 4}),
+    (0, {"kernel": "words", "BLOCK_M": 8, "BLOCK_C": 32, "num_warps": 4}),
+)
+"""Tiles of the block kernel for float16 / bfloat16 inputs by input size (bytes), largest first;
+``BLOCK_M`` rows x ``BLOCK_C`` 16-element blocks per program, one block per thread at a time.
+Chosen statically (no autotuning at the first call of a server) from ``bench/quantize_sweep.py --quick`` on
+an H200, 2026-12-01: 8x64 fastest at 64, 256 and 512 MiB, 8x32 at 16 MiB (docs/benchmarks.md)."""
+
+_INT32_LIMIT = 2**31
 
 
 @triton.jit
@@ -74,6 +91,59 @@ def _nvfp4_quant_kernel(
     tl.store(scales_ptr + offsets, sf, mask=(rows < scale_rows) & (block_cols < scale_cols))
 
 
+@triton.jit
+def _nvfp4_quant_words_kernel(
+    x_ptr,  # float16 / bfloat16 [M, K]
+    stride_x,  # between rows: in 16-byte units when ROW_ALIGNED, else in 32-bit words
+    global_scale_ptr,
+    packed_ptr,  # uint8 [T, K/2], 8-byte aligned, written as uint32 pairs
+    scales_ptr,
+    row_start,  # row of the output buffers that row 0 of x goes to
+    M,
+    n_blocks,  # K / 16
+    scale_rows,  # rows (of x) whose scales are written: round_up(M, 128) swizzled, M linear or to skip padding
+    scale_cols,  # block columns of the scale buffer: round_up(K/16, 4) swizzled, K/16 linear
+    SWIZZLED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HW_E4M3: tl.constexpr,
+    ROW_ALIGNED: tl.constexpr,  # rows start 16-byte aligned: 128-bit loads
+):
+    """One program quantizes rows ``[pid_m * BLOCK_M, +BLOCK_M)`` x block columns
+    ``[pid_c * BLOCK_C, +BLOCK_C)`` of the (scale-padded) matrix; each thread holds whole
+    16-element blocks (two 16-byte loads, one 8-byte store of packed codes, one scale byte),
+    neighbouring threads neighbouring blocks of a row. Rows and columns past ``M`` / ``K/16``
+    read as zero, so their scales are written as zero. Row ``r`` of ``x`` lands in row
+    ``row_start + r`` of the output buffers. Tiles are indexed (column, row), so that Triton
+    lays the threads of a warp along a row. Offsets inside a tile are int32; each program's
+    first row is added to the pointers in int64."""
+    stride_w = stride_x * 4 if ROW_ALIGNED else stride_x  # the product tells Triton rows are 16-byte aligned
+    row0 = tl.program_id(0) * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_x = (cols < n_blocks)[:, None] & ((row0 + rows) < M)[None, :]  # [BLOCK_C, BLOCK_M]
+    x_words = x_ptr.to(tl.pointer_type(tl.uint32)) + row0.to(tl.int64) * stride_w
+    offsets = (cols[:, None] * 8 + rows[None, :] * stride_w)[:, :, None] + tl.arange(0, 4)[None, None, :]
+    words_lo = tl.load(x_words + offsets, mask=in_x[:, :, None], other=0)
+    words_hi = tl.load(x_words + offsets + 4, mask=in_x[:, :, None], other=0)
+
+    lo, hi, sf = quantize_words(words_lo, words_hi, tl.load(global_scale_ptr), x_ptr.dtype.element_ty, HW_E4M3)
+
+    out_row0 = row_start + row0
+    out_words = packed_ptr.to(tl.pointer_type(tl.uint32)) + out_row0.to(tl.int64) * (n_blocks * 2)
+    out_offsets = (cols[:, None] * 2 + rows[None, :] * (n_blocks * 2))[:, :, None] + tl.arange(0, 2)[None, None, :]
+    tl.store(out_words + out_offsets, tl.join(lo, hi), mask=in_x[:, :, None])
+    in_scales = (cols < scale_cols)[:, None] & ((row0 + rows) < scale_rows)[None, :]
+    if SWIZZLED:
+        # the tile's rows from the start of the 128-row band holding its first row
+        band_base = scales_ptr + (out_row0 // 128).to(tl.int64) * scale_cols * 128
+        offsets = swizzled_scale_offset((out_row0 % 128 + rows)[None, :], cols[:, None], scale_cols // 4)
+        tl.store(band_base + offsets, sf, mask=in_scales)
+    else:
+        base = scales_ptr + out_row0.to(tl.int64) * scale_cols
+        tl.store(base + cols[:, None] + rows[None, :] * scale_cols, sf, mask=in_scales)
+
+
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself, or a fresh copy when the kernel cannot read it in element pairs (unit
     stride along K, an even row stride and a base aligned to two elements needed)."""
@@ -82,10 +152,45 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def select_config(x: torch.Tensor) -> dict:
+    """The tile configuration for quantizing ``x``: :data:`LEGACY_CONFIG` for float32, else the
+    :data:`QUANT_CONFIGS` entry of its size class."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return LEGACY_CONFIG
+    nbytes = x.numel() * x.element_size()
+    return next(config for bound, config in QUANT_CONFIGS if nbytes >= bound)
+
+
+def _words_usable(x: torch.Tensor, packed: torch.Tensor, config: dict) -> bool:
+    """Whether the block kernel can run: 16-bit input, packed codes written as aligned 32-bit words,
+    and a tile's offsets within int32."""
+    return (
+        x.dtype in (torch.float16, torch.bfloat16)
+        and packed.data_ptr() % 8 == 0
+        and config["BLOCK_M"] * (x.stride(0) // 2) + (x.shape[1] // 16 + 3 + config["BLOCK_C"]) * 8 < _INT32_LIMIT
+    )
+
+
 def _launch(x, global_scale, packed, scale_bytes, row_start, scale_rows, scale_cols, swizzled, config) -> None:
     """One launch over rows ``[0, scale_rows)`` of ``x`` (rows ``>= M`` only write zero scales)."""
     m, k = x.shape
-    config = config or QUANT_CONFIG
+    config = config or select_config(x)
+    if config.get("kernel", "pairs") == "words" and not _words_usable(x, packed, config):
+        config = LEGACY_CONFIG
+    if config.get("kernel", "pairs") == "words":
+        stride_w = x.stride(0) // 2
+        row_aligned = stride_w % 4 == 0 and x.data_ptr() % 16 == 0
+        block_m, block_c = config["BLOCK_M"], config["BLOCK_C"]
+        grid = (triton.cdiv(scale_rows, block_m), triton.cdiv(scale_cols, block_c))
+        _nvfp4_quant_words_kernel[grid](
+            x, stride_w // 4 if row_aligned else stride_w, global_scale, packed, scale_bytes, row_start, m, k // 16,
+            scale_rows, scale_cols,
+            SWIZZLED=swizzled, BLOCK_M=block_m, BLOCK_C=block_c,
+            HW_E4M3=x.is_cuda,  # the interpreter's (CPU tensors) float -> e4m3 cast does not round to nearest even
+            ROW_ALIGNED=row_aligned,
+            num_warps=config["num_warps"], num_stages=config.get("num_stages", 1),
+        )
+        return
     block_m, block_k = config["BLOCK_M"], config["BLOCK_K"]
     grid = (triton.cdiv(scale_rows, block_m), triton.cdiv(scale_cols * 16, block_k))
     _nvfp4_quant_kernel[grid](
@@ -125,7 +230,8 @@ def quantize_launch(
         packed: optional uint8 buffer of ``M * K/2`` elements to write into.
         scales: optional buffer of the scale layout's byte count (float8_e4m3fn,
             uint8, or int32 as vLLM allocates it) to write into.
-        config: overrides :data:`QUANT_CONFIG` (tuning).
+        config: overrides :func:`select_config`'s choice (tuning; ``{"kernel": "pairs", ...}`` is
+            the element-pair kernel, :data:`LEGACY_CONFIG`).
 
     Returns:
         ``(packed uint8 [M, K/2], scales float8_e4m3fn [rows, cols])``; every byte
