@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import shlex
 import sys
 import traceback
 import warnings
@@ -228,14 +227,10 @@ def run(kernels: Kernels, shapes: list[Shape], *, device, opts: argparse.Namespa
 
 
 def command_line(argv: list[str]) -> str:
-    """The command as run: ``python`` + the script path (relative to the repo when inside it) + arguments."""
-    script = Path(argv[0]) if argv else Path("bench/attention.py")
-    if script.is_absolute():
-        try:
-            script = script.relative_to(REPO_ROOT)
-        except ValueError:
-            pass
-    return shlex.join(["python", str(script), *argv[1:]])
+    """The command as run (``_command.command_line``)."""
+    from _command import command_line as as_run
+
+    return as_run(argv, "bench/attention.py")
 
 
 def collect_meta(argv: list[str], device) -> dict:

@@ -512,16 +512,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def command_line(argv: list[str]) -> str:
-    """The command as run: ``python`` + the script path (relative to the repo when inside it) + arguments."""
-    import shlex
+    """The command as run (``_command.command_line``)."""
+    from _command import command_line as as_run
 
-    script = Path(argv[0])
-    if script.is_absolute():
-        try:
-            script = script.relative_to(REPO_ROOT)
-        except ValueError:
-            pass
-    return shlex.join(["python", str(script), *argv[1:]])
+    return as_run(argv, "bench/serving_trace.py")
 
 
 if __name__ == "__main__":
