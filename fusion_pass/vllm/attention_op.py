@@ -91,9 +91,7 @@ def _context(layer_name):
         from vllm import forward_context
 
         _forward_context_module = forward_context
-    context = _forward_context_module._forward_context
-    if context is None:
-        context = _forward_context_module.get_forward_context()  # vLLM's own error: no forward context set
+    context = _forward_context_module.get_forward_context()  # vLLM's own error when no context is set
     md = context.attn_metadata
     if isinstance(md, dict):
         md = md[layer_name]
