@@ -437,8 +437,8 @@ def merge_attention_nvfp4(
     check_lses(fn, lse_a, lse_b, out_a)
     check_global_scale(fn, global_scale, out_a.device, check_value=False)
     check_destination(fn, packed, scales, row_start, out_a)
+    check_scale_value(fn, global_scale, validate_values)  # the caller's values before the backend's availability
     chosen = choose_merge(fn, backend, out_a)
-    check_scale_value(fn, global_scale, validate_values)
     if chosen == "triton":
         launchers.merge_nvfp4_rows("triton", out_a, lse_a, out_b, lse_b, global_scale, packed, scales, row_start)
     else:
