@@ -1,7 +1,7 @@
 """Sweep the kernels' tile configurations on the GPU (how the defaults were chosen).
 
     python bench/tune.py [--out DIR] [--quick]
-    python bench/tune.py --fa4 [--out DIR] [--budget-s 400] [--quick]
+    python bench/tune.py --fa4 [--out DIR] [--budget-s 400] [--quick] [--seqlens 128,512] [--dims 192x128] [--no-host-times]
 
 ``--fa4`` (an SM90 GPU with the ``fa4`` extra): the FA4 SM90 configurations. For each head-dim pair of the issue's
 layouts (MLA 192/128 at 16 and 128 heads, MHA 128/128 at 32 heads, GQA 64/8) and each of
@@ -13,7 +13,9 @@ the fused launcher and entry point, the compiled kernel called alone, the scale-
 ``flash_attn_varlen_func``. Writes ``DIR/tune_fa4.json`` after every configuration (a timeout keeps what was done)
 with a suggested ``sm90_configs.TABLE`` (per head dims and sequence-length class, the configuration with the
 smallest geometric-mean fused time relative to FA4's default), printed at the end; exit code 1 if any
-configuration's bytes differ. ``--budget-s`` stops starting new configurations (what is left is listed as skipped).
+configuration's bytes differ. ``--budget-s`` stops starting new configurations (what is left is listed as skipped);
+``--seqlens`` keeps the shapes of those tokens per sequence (e.g. ``128,512``: the short classes), ``--dims`` the layouts of one head-dim pair; ``--no-host-times``
+skips the host timings (each compiles FA4's ``flash_attn_varlen_func`` too).
 
 Without ``--fa4``, the Triton kernels:
 
@@ -265,7 +267,8 @@ def suggest_table(rows: list[dict]) -> dict:
     return table
 
 
-def tune_fa4(out_dir: str, budget_s: float, quick: bool = False) -> int:
+def tune_fa4(out_dir: str, budget_s: float, quick: bool = False, seqlens: tuple[int, ...] | None = None,
+             host_times: bool = True, dims: tuple[int, int] | None = None) -> int:
     """Time the fused kernel and its twin for every sweep candidate at the issue's shapes; JSON to
     ``out_dir/tune_fa4.json`` after each configuration (a timeout keeps what was done) and the suggested table."""
     from fusion_pass.kernels.fa4 import forward, sm90, sm90_configs
@@ -278,7 +281,11 @@ def tune_fa4(out_dir: str, budget_s: float, quick: bool = False) -> int:
     path = os.path.join(out_dir, "tune_fa4.json")
     results: dict = {"device": torch.cuda.get_device_name(), "rows": [], "host_us": {}, "skipped": [],
                      "errors": [], "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
-    batches = [b for b in FA4_BATCHES if not quick or b[1] == 512]
+    batches = [b for b in FA4_BATCHES if (not quick or b[1] == 512) and (seqlens is None or b[1] in seqlens)]
+    if not batches:
+        print(f"bench/tune.py --fa4: no shape left (--seqlens {seqlens} among {[b[1] for b in FA4_BATCHES]})",
+              file=sys.stderr)
+        return 2
 
     def save():
         results["elapsed_s"] = round(time.monotonic() - started, 1)
@@ -286,11 +293,12 @@ def tune_fa4(out_dir: str, budget_s: float, quick: bool = False) -> int:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
-    for dims in sorted({(h[3], h[4]) for h in FA4_HEADS}, reverse=True):
+    only = dims
+    for dims in sorted({(h[3], h[4]) for h in FA4_HEADS if only is None or (h[3], h[4]) == only}, reverse=True):
         cases = [Fa4Case(h, b, s, seed=i) for i, (h, (b, s, _)) in enumerate(
             (h, b) for h in FA4_HEADS if (h[3], h[4]) == dims for b in batches)]
         calls = {(b, s): c for b, s, c in batches}
-        for case in cases:
+        for case in cases if host_times else ():
             results["host_us"][case.label] = fa4_host_times(case)
             print(f"host us {case.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in results["host_us"][case.label].items()),
                   flush=True)
@@ -337,6 +345,30 @@ def tune_fa4(out_dir: str, budget_s: float, quick: bool = False) -> int:
     return 1 if bad else 0
 
 
+def _seqlens(text: str) -> tuple[int, ...]:
+    known = {b[1] for b in FA4_BATCHES}
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints of {sorted(known)}, got {text!r}") from None
+    bad = [v for v in values if v not in known]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad} not among the sweep's tokens per sequence {sorted(known)}")
+    return values
+
+
+def _dims(text: str) -> tuple[int, int]:
+    known = sorted({(h[3], h[4]) for h in FA4_HEADS})
+    try:
+        d, dv = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected DxDv (e.g. 192x128), got {text!r}") from None
+    if (d, dv) not in known:
+        raise argparse.ArgumentTypeError(f"{d}x{dv} is not a swept head-dim pair; known: "
+                                         + ", ".join(f"{a}x{b}" for a, b in known))
+    return d, dv
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".", help="directory for tune.json / tune_fa4.json (default: .)")
@@ -346,13 +378,22 @@ def main(argv=None) -> int:
     parser.add_argument("--fa4", action="store_true", help="the FA4 SM90 configurations instead of the Triton kernels")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="--fa4: stop starting new configurations after this many seconds (default 400)")
+    parser.add_argument("--seqlens", type=_seqlens, default=None,
+                        help=f"--fa4: only the shapes of these tokens per sequence, comma-separated "
+                             f"(of {','.join(str(b[1]) for b in FA4_BATCHES)}; default all)")
+    parser.add_argument("--dims", type=_dims, default=None,
+                        help="--fa4: only the layouts of this head-dim pair DxDv (of "
+                             + ", ".join(sorted({f"{h[3]}x{h[4]}" for h in FA4_HEADS})) + "; default all)")
+    parser.add_argument("--no-host-times", action="store_true",
+                        help="--fa4: skip the host time per call (each shape compiles flash_attn_varlen_func too)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/tune.py needs a CUDA device", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     if args.fa4:
-        return tune_fa4(args.out, args.budget_s, quick=args.quick)
+        return tune_fa4(args.out, args.budget_s, quick=args.quick, seqlens=args.seqlens,
+                        host_times=not args.no_host_times, dims=args.dims)
     results: dict = {"device": torch.cuda.get_device_name()}
     if not args.skip_quant:
         tune_quant(results)
