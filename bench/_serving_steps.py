@@ -1,16 +1,32 @@
 """The serving trace's timed steps: every row of a step through the same attention kernels, with and without fusion.
 
-Per layer and step, three variants over the same inputs (all rows causal, keys = each request's cached
+Per layer and step, four variants over the same inputs (all rows causal, keys = each request's cached
 context then its new tokens, through ``cu_seqlens_k``):
 
 * ``unfused``: FA4's bf16 forward over every row (decode and prefill rows in one varlen call), then the
-  project's quantizer over every row: the strongest unfused path, two launches;
-* ``fused``: what the project's runtime does: the decode rows (one new token each) by the same FA4 bf16
-  forward on the decode sub-batch, then the row-range quantizer into rows ``[0, D)``; the prefill rows by
+  project's quantizer over every row: the fewest launches an unfused path can have, two;
+* ``unfused_split``: the rows split as the runtime (and vLLM's MLA layer) splits them: the decode rows by the
+  same FA4 bf16 call on the decode sub-batch as ``fused`` and the row-range quantizer into rows ``[0, D)``
+  (the very calls of ``fused``); the prefill rows by FA4 bf16 on the prefill sub-batch (the offsets of
+  ``fused``'s fused call) and the row-range quantizer into rows ``[D, T)``. A step without decode rows is
+  ``unfused``'s work (one attention call, one quantizer call); one without prefill rows is ``fused``'s;
+* ``fused``: what the project's runtime does: the decode rows as in ``unfused_split``; the prefill rows by
   the fused kernel straight into rows ``[D, T)`` (one launch when the step has no decode row);
 * ``fused_all``: every row by the fused kernel in one call (decode rows are one-query sequences to it).
 
-All three write the same bytes (the kernels' contract: fused bytes = quantize(FA4 bf16)); checked per step.
+``unfused_split`` quantizes its two parts by two row-range quantizer calls. vLLM's MLA layer instead has its
+decode and prefill paths fill one ``[T, H * Dv]`` buffer and the compiled graph quantizes it in one call; but
+FA4's bf16 call returns a new tensor (no ``out=``), so one quantizer call here would first need one part
+copied next to the other (or a ``torch.cat``): a copy launch for the quantizer launch saved, and a pass over
+the copied rows on top. Two row-range calls launch no more and move the fewest bytes, leave the decode rows'
+calls identical to ``fused``'s, and make ``unfused_split - fused`` exactly what fusing the prefill rows
+removes (their bf16 pass and one launch).
+
+Bytes, compared pairwise by construction (:data:`CHECKED_PAIRS`): ``fused_all`` against ``unfused`` (the same
+one call) and ``fused`` against ``unfused_split`` (the same sub-batch calls): equal by the kernels' contract
+(fused bytes = quantize(FA4 bf16) for the same call). A row's bytes may depend on which sub-batch computes it
+(a per-call tile configuration chosen from the batch's longest sequence), so ``fused`` against ``unfused`` is
+recorded (:data:`INFO_PAIRS`) but not required.
 
 The KV cache: per layer one preallocated slab; each request owns a region of it sized to its whole
 life (prompt + decode tokens), planned from the schedule by :func:`plan_regions` (first fit, freed when the
@@ -20,13 +36,17 @@ step's rows are gathered from the slab into a preallocated per-layer workspace b
 kernel would read the slab in place); that gather is outside the timed region and the same for every variant.
 
 The ceiling on paper (:func:`ceiling_ms`): per layer the fusion removes one memory-bound pass over the
-attention output (FA4 writes ``T * H * Dv`` bf16 elements and the quantizer reads them back: ``4 * T * H * Dv``
-bytes, at the H200's ~4.8 TB/s) and one launch (``launch_us``, an assumption, stated in the output).
+attention output rows it fuses (FA4 writes ``rows * H * Dv`` bf16 elements and the quantizer reads them back:
+``4 * rows * H * Dv`` bytes, at the H200's ~4.8 TB/s) and one launch (``launch_us``, an assumption, stated in
+the output). Against ``unfused`` the rows are all ``T`` rows (:func:`ceiling_ms` of ``T``: what fusing every
+row can save); against ``unfused_split`` the ``P`` prefill rows (:func:`split_ceiling_ms`: the decode rows are
+quantized after attention on both sides; nothing is saved on a step without prefill rows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -35,11 +55,19 @@ from fusion_pass import nvfp4
 import _timing
 from _kernels import Kernels
 
-__all__ = ["AttnDims", "H200_TBPS", "StepLayout", "StepRunner", "attn_dims", "ceiling_ms", "plan_regions",
-           "ratio_summary", "step_layout"]
+__all__ = ["CHECKED_PAIRS", "INFO_PAIRS", "AttnDims", "H200_TBPS", "StepLayout", "StepRunner", "attn_dims",
+           "ceiling_ms", "pair_key", "plan_regions", "ratio_summary", "split_ceiling_ms", "step_layout"]
 
 H200_TBPS = 4.8
 GLOBAL_SCALE = 448.0 * 6.0 / 8.0  # attention outputs are convex combinations of randn values: |out| < 8
+
+CHECKED_PAIRS = (("fused_all", "unfused"), ("fused", "unfused_split"))  # the same calls: bytes must be equal
+INFO_PAIRS = (("fused", "unfused"),)  # other calls: recorded, not required
+
+
+def pair_key(pair: tuple[str, str]) -> str:
+    """A pair's name in the results: ``"fused_all==unfused"``."""
+    return "==".join(pair)
 
 
 @dataclass(frozen=True)
@@ -124,14 +152,26 @@ def step_layout(spec, regions: dict[str, int]) -> StepLayout:
 
 
 def ceiling_ms(tokens: int, dims: AttnDims, layers: int, *, tbps: float = H200_TBPS, launch_us: float = 0.0) -> float:
-    """What fusing every row of a step can save at most, per step: per layer ``4 * T * H * Dv`` bytes (the bf16
-    output written and read back) at ``tbps`` TB/s, plus ``launch_us`` for the launch it removes."""
+    """What fusing ``tokens`` rows of a step (``T``: every row) can save at most, per step: per layer
+    ``4 * tokens * H * Dv`` bytes (the bf16 output written and read back) at ``tbps`` TB/s, plus ``launch_us``
+    for the launch it removes."""
     return layers * (4 * tokens * dims.heads * dims.dv / (tbps * 1e12) * 1e3 + launch_us * 1e-3)
 
 
+def split_ceiling_ms(layout: StepLayout, dims: AttnDims, layers: int, *, tbps: float = H200_TBPS,
+                     launch_us: float = 0.0) -> float:
+    """What ``fused`` can save at most against ``unfused_split``, per step: :func:`ceiling_ms` of the prefill
+    rows only (the decode rows are quantized after attention on both sides); 0 without prefill rows."""
+    if not layout.prefill_tokens:
+        return 0.0
+    return ceiling_ms(layout.prefill_tokens, dims, layers, tbps=tbps, launch_us=launch_us)
+
+
 def ratio_summary(unfused: list[float], fused: list[float], saving: list[float]) -> dict:
-    """Per-step ratios ``unfused / fused``: their distribution, the overall ratio (sums), the ceiling on paper
-    (``unfused / (unfused - saving)``, per step and overall) and the share of the possible saving taken."""
+    """Per-step ratios ``unfused / fused`` (``unfused``: the baseline's ms per step, ``unfused`` or
+    ``unfused_split``; ``fused``: the fused variant's; ``saving``: the ceiling's ms per step against that
+    baseline): their distribution, the overall ratio (sums), the ceiling on paper (``unfused / (unfused -
+    saving)``, per step and overall) and the share of the possible saving taken."""
     ratios = [u / f for u, f in zip(unfused, fused)]
     ceilings = [u / (u - s) if u > s else None for u, s in zip(unfused, saving)]
     total_u, total_f, total_s = sum(unfused), sum(fused), sum(saving)
@@ -145,7 +185,7 @@ def ratio_summary(unfused: list[float], fused: list[float], saving: list[float])
 class StepRunner:
     """The KV slabs, workspaces and kernels of one trace; :meth:`run_step` measures one step."""
 
-    VARIANTS = ("unfused", "fused", "fused_all")
+    VARIANTS = ("unfused", "unfused_split", "fused", "fused_all")
 
     def __init__(self, kernels: Kernels, dims: AttnDims, layers: int, slab_rows: int, device, *, seed: int = 0):
         self.kernels, self.dims, self.layers, self.device = kernels, dims, layers, torch.device(device)
@@ -195,24 +235,41 @@ class StepRunner:
         cu_qd, cu_kd = cu_q[:d + 1], cu_k[:d + 1]
         cu_qp, cu_kp = cu_q[d:], cu_k[d:]
         kd = layout.cu_k[d]
+        prefills = d < len(qlens)
+
+        def decode_rows(q, k, v, p, s):  # the decode sub-batch, the same calls in `fused` and `unfused_split`
+            out = attn(q[:d], k[:kd], v[:kd], cu_qd, 1, causal=True, softmax_scale=sc, cu_seqlens_k=cu_kd,
+                       max_seqlen_k=max(klens[:d]))
+            rows(out.view(d, n), self.gs, p, s, 0)
+
+        def unfused_split():
+            for q, k, v, (p, s) in zip(qs, self.k_ws, self.v_ws, outs["unfused_split"]):
+                if d:
+                    decode_rows(q, k, v, p, s)
+                if prefills:  # the offsets of `split`'s fused call; rows [D, T) of the output are written
+                    out = attn(q, k[:tk], v[:tk], cu_qp, max(qlens[d:]), causal=True, softmax_scale=sc,
+                               cu_seqlens_k=cu_kp, max_seqlen_k=max(klens[d:]))
+                    if d:
+                        rows(out.view(t, n)[d:], self.gs, p, s, d)
+                    else:  # no decode row: `unfused`'s work
+                        quant(out.view(t, n), self.gs, p, s)
 
         def split():
             for q, k, v, (p, s) in zip(qs, self.k_ws, self.v_ws, outs["fused"]):
                 if d:
-                    out = attn(q[:d], k[:kd], v[:kd], cu_qd, 1, causal=True, softmax_scale=sc, cu_seqlens_k=cu_kd,
-                               max_seqlen_k=max(klens[:d]))
-                    rows(out.view(d, n), self.gs, p, s, 0)
-                if d < len(qlens):
+                    decode_rows(q, k, v, p, s)
+                if prefills:
                     fused(q, k[:tk], v[:tk], cu_seqlens=cu_qp, max_seqlen=max(qlens[d:]), softmax_scale=sc,
                           causal=True, output=p, output_scale=self.gs, output_block_scale=s, cu_seqlens_k=cu_kp,
                           max_seqlen_k=max(klens[d:]))
 
-        return {"unfused": unfused, "fused": split, "fused_all": fused_all}
+        return {"unfused": unfused, "unfused_split": unfused_split, "fused": split, "fused_all": fused_all}
 
-    def run_step(self, layout: StepLayout, *, warmup: int, repeats: int) -> dict:
-        """Append the step's tokens, gather its keys, then time every variant (CUDA events around the layers'
-        calls, median of ``repeats`` after ``warmup``, fresh randn queries before every call, outside the
-        timed region; CPU: wall time) and compare their bytes. ``{"ms": {variant: median}, "equal": bool}``."""
+    def prepare(self, layout: StepLayout) -> tuple[dict, Callable[[], None], dict]:
+        """Append the step's tokens, gather its keys, allocate its queries and outputs: ``(variants, fresh,
+        outs)``. ``variants[name]()`` runs every layer of one variant (:data:`VARIANTS`); ``fresh()`` refills
+        the queries with randn; ``outs[name]`` holds per layer the ``(packed uint8 [T, H*Dv/2], scales
+        float8_e4m3fn swizzled)`` pair that variant writes (zeros until then)."""
         self.append(layout)
         idx = torch.tensor(layout.key_rows, dtype=torch.long, device=self.device)
         tk = len(layout.key_rows)
@@ -232,12 +289,22 @@ class StepRunner:
             for q in qs:
                 q.normal_(generator=self.gen)
 
+        return variants, fresh, outs
+
+    def run_step(self, layout: StepLayout, *, warmup: int, repeats: int) -> dict:
+        """:meth:`prepare` the step, then time every variant (CUDA events around the layers' calls, median of
+        ``repeats`` after ``warmup``, fresh randn queries before every call, outside the timed region; CPU:
+        wall time) and compare their bytes pairwise (after one call each on the same queries).
+
+        Returns ``{"ms": {variant: median}, "bytes_equal": {pair_key(pair): bool}}`` over
+        :data:`CHECKED_PAIRS` and :data:`INFO_PAIRS`."""
+        variants, fresh, outs = self.prepare(layout)
         fresh()
         for call in variants.values():  # one call each on the same queries: compile, then compare bytes
             call()
-        equal = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                    for name in ("fused", "fused_all")
-                    for pair_u, pair_f in zip(outs["unfused"], outs[name]) for a, b in zip(pair_u, pair_f))
+        equal = {pair_key((x, y)): all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                       for bufs_x, bufs_y in zip(outs[x], outs[y]) for a, b in zip(bufs_x, bufs_y))
+                 for x, y in CHECKED_PAIRS + INFO_PAIRS}
         ms = {}
         for name, call in variants.items():
             if self.cuda:
@@ -248,4 +315,4 @@ class StepRunner:
                     fresh()
                     samples += _timing.cpu_ms(call, repeats=1, warmup=0)
             ms[name] = _timing.median(samples)
-        return {"ms": ms, "equal": equal}
+        return {"ms": ms, "bytes_equal": equal}

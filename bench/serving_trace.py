@@ -11,29 +11,44 @@ prefill tokens written by the fused kernel is reported under two guards:
                      prefill_fused / prefill.
 
 With --device cuda every busy step is also timed at the kernel level (bench/_serving_steps.py): per
-layer, the step's attention and its NVFP4 output with every row through the same FA4 kernels on both
+layer, the step's attention and its NVFP4 output with every row through the same FA4 kernels on all
 sides, keys of context + new tokens through cu_seqlens_k, from a preallocated per-request KV cache
-appended in place:
+appended in place; four variants:
 
-  unfused    FA4 bf16 over every row (decode and prefill rows in one call), then the quantizer;
-  fused      the runtime's way: decode rows by the same FA4 bf16 call on the decode sub-batch and the
-             row-range quantizer, prefill rows by the fused kernel (FA4 with the NVFP4 epilogue);
-  fused_all  every row by the fused kernel in one call.
+  unfused        FA4 bf16 over every row (decode and prefill rows in one call), then the quantizer;
+  unfused_split  the rows split as the runtime splits them: decode rows by FA4 bf16 on the decode
+                 sub-batch and the row-range quantizer (the same calls as fused), prefill rows by FA4
+                 bf16 on the prefill sub-batch and the row-range quantizer (two quantizer calls, not a
+                 copy of both parts into one buffer and one call: see bench/_serving_steps.py);
+  fused          the runtime's way: decode rows as in unfused_split, prefill rows by the fused kernel
+                 (FA4 with the NVFP4 epilogue);
+  fused_all      every row by the fused kernel in one call.
 
 Per step: CUDA events around the layers' calls (eager, as vLLM runs its attention op between CUDA-graph
-pieces), median of --repeats after --warmup, fresh random queries before every call; all three write
-the same bytes (checked per step). Reported: the per-step ratio unfused / fused (min, p10, median,
-p90, max, overall = total / total) and, beside it, the ceiling on paper: per layer fusion removes one
-memory-bound pass over the attention output (4 * T * H * Dv bytes: the bf16 output written and read
-back, at the H200's ~4.8 TB/s) and one launch (--launch-us, an assumption), and the share of that
-saving taken. On the CPU the model runs for the counters; --cpu-timing runs the timed steps on the
-reference kernels (wall time, meaningless as performance; the bytes are checked).
+pieces), median of --repeats after --warmup, fresh random queries before every call. Bytes are compared
+by pairs that make the same attention calls: fused_all == unfused (one call over every row) and
+fused == unfused_split (the same sub-batch calls), required at every step; fused == unfused is
+recorded but not required (a row's bytes may depend on the sub-batch computing it, through the tile
+configuration its longest sequence picks). Reported, per-step ratio distributions (min, p10, median,
+p90, max, overall = total / total):
+
+  unfused (one call) / fused (runtime)                 the runtime against the fewest-launch unfused path;
+  unfused (one call) / fused_all (one call)            fusing every row, one call on each side;
+  unfused (split like the runtime) / fused (runtime)   what fusing the prefill rows saves, the rest equal;
+
+each beside the ceiling on paper: per layer fusion removes one memory-bound pass over the attention
+output rows it fuses (4 * R * H * Dv bytes: the bf16 output written and read back, at the H200's
+~4.8 TB/s; R = every row against unfused, the prefill rows against unfused_split) and one launch
+(--launch-us, an assumption), and the share of that saving taken. On the CPU the model runs for the
+counters; --cpu-timing runs the timed steps on the reference kernels (wall time, meaningless as
+performance; the bytes are checked).
 
     python bench/serving_trace.py --tiny --json trace.json            # a CPU run (under a minute)
     python bench/serving_trace.py --device cuda --timing-only --budget 2048 --json t2048.json --markdown t2048.md
 
 Exit code 2 when the installed fusion_pass has no per-token counters, --device cuda has no CUDA
-device, or FA4 does not run the model's attention there; 1 when the variants' bytes differ at a step.
+device, or FA4 does not run the model's attention there; 1 when the bytes of a required pair
+(fused_all == unfused, fused == unfused_split) differ at a step.
 """
 
 from __future__ import annotations
@@ -186,6 +201,15 @@ def run_trace(steps: list[Step], *, model_name: str, tiny: bool, device: str, la
 # --------------------------------------------------------------------------
 
 
+RATIOS = (  # (key in the "timing" entry, baseline, fused variant, label): per-step ratios baseline / variant
+    ("fused", "unfused", "fused", "unfused (one call) / fused (runtime)"),
+    ("fused_all", "unfused", "fused_all", "unfused (one call) / fused_all (one call)"),
+    ("split", "unfused_split", "fused", "unfused (split like the runtime) / fused (runtime)"),
+)
+PAIR_WHAT = {"fused_all==unfused": "the same one call", "fused==unfused_split": "the same sub-batch calls",
+             "fused==unfused": "other calls: informational"}
+
+
 def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers: int, warmup: int, repeats: int,
                launch_us: float, seed: int, progress: bool = True) -> dict:
     """Time every busy step (see the module docstring); the ``timing`` entry of the JSON."""
@@ -201,42 +225,62 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
         layout = steps_mod.step_layout(spec, regions)
         measured = runner.run_step(layout, warmup=warmup, repeats=repeats)
         ms = measured["ms"]
-        saving = steps_mod.ceiling_ms(layout.tokens, dims, layers, launch_us=launch_us)
         per_step.append({"step": step.index, "kind": step.kind, "tokens": layout.tokens, "decode_rows": layout.decodes,
                          "prefill_rows": layout.prefill_tokens, "keys": layout.cu_k[-1],
-                         "unfused_ms": ms["unfused"], "fused_ms": ms["fused"], "fused_all_ms": ms["fused_all"],
+                         "unfused_ms": ms["unfused"], "unfused_split_ms": ms["unfused_split"],
+                         "fused_ms": ms["fused"], "fused_all_ms": ms["fused_all"],
                          "speedup": ms["unfused"] / ms["fused"], "speedup_all": ms["unfused"] / ms["fused_all"],
-                         "ceiling_saving_ms": saving, "bytes_equal": measured["equal"]})
+                         "speedup_split": ms["unfused_split"] / ms["fused"],
+                         "ceiling_saving_ms": steps_mod.ceiling_ms(layout.tokens, dims, layers, launch_us=launch_us),
+                         "ceiling_saving_split_ms": steps_mod.split_ceiling_ms(layout, dims, layers,
+                                                                               launch_us=launch_us),
+                         "bytes_equal": measured["bytes_equal"]})
         if progress and (n % 25 == 0 or n == len(busy)):
             print(f"  timed {n}/{len(busy)} busy steps", flush=True)
-    unfused = [t["unfused_ms"] for t in per_step]
-    saving = [t["ceiling_saving_ms"] for t in per_step]
-    bytes_only = [steps_mod.ceiling_ms(t["tokens"], dims, layers) for t in per_step]
+    savings = {"unfused": [t["ceiling_saving_ms"] for t in per_step],
+               "unfused_split": [t["ceiling_saving_split_ms"] for t in per_step]}
+    ratios = {}
+    for key, base, variant, label in RATIOS:
+        stats = steps_mod.ratio_summary([t[f"{base}_ms"] for t in per_step], [t[f"{variant}_ms"] for t in per_step],
+                                        savings[base])
+        ratios[key] = {"label": label, "baseline": base, "variant": variant, **stats}
+
+    def bytes_only_overall(base: str, rows: str) -> float | None:
+        total, saved = (sum(t[f"{base}_ms"] for t in per_step),
+                        sum(steps_mod.ceiling_ms(t[rows], dims, layers) for t in per_step))
+        return total / (total - saved) if total > saved else None
+
+    checked = [steps_mod.pair_key(p) for p in steps_mod.CHECKED_PAIRS]
+    bytes_pairs = {key: {"checked": key in checked, "what": PAIR_WHAT.get(key, ""),
+                         "differ_at": [t["step"] for t in per_step if not t["bytes_equal"][key]]}
+                   for key in (steps_mod.pair_key(p) for p in steps_mod.CHECKED_PAIRS + steps_mod.INFO_PAIRS)}
     return {
         "skipped": None,
         "device": torch.cuda.get_device_name() if cuda else "CPU",
         "kernels": kernels.name,
         "what": ("per busy step, all layers' attention + NVFP4 output, every row through the same FA4 kernels "
-                 "(unfused: FA4 bf16 over every row + the quantizer; fused: decode rows FA4 bf16 + row-range "
-                 "quantizer, prefill rows the fused kernel, as the runtime does; fused_all: every row fused in one "
-                 "call); keys context + new through cu_seqlens_k from a preallocated per-request KV slab appended "
-                 "in place, gathered into a packed workspace outside the timed region; "
+                 "(unfused: FA4 bf16 over every row in one call + the quantizer; unfused_split: decode rows FA4 "
+                 "bf16 + row-range quantizer, prefill rows FA4 bf16 + row-range quantizer, split as the runtime "
+                 "splits them; fused: decode rows as in unfused_split, prefill rows the fused kernel, as the "
+                 "runtime does; fused_all: every row fused in one call); keys context + new through cu_seqlens_k "
+                 "from a preallocated per-request KV slab appended in place, gathered into a packed workspace "
+                 "outside the timed region; "
                  + ("CUDA events around eager calls, median of repeats after warm-up, fresh randn queries per call, "
                     "L2 not flushed" if cuda else "CPU wall time on the reference kernels (meaningless as performance)")),
         "dims": {"heads": dims.heads, "kv_heads": dims.kv_heads, "dqk": dims.dqk, "dv": dims.dv},
         "warmup": warmup, "repeats": repeats, "kv_slab_rows": slab_rows,
-        "ceiling_note": (f"per layer and step, fusing every row removes the bf16 output's write and read back, "
-                         f"4 * T * H * Dv bytes, at the H200's ~{steps_mod.H200_TBPS} TB/s, plus one launch of "
-                         f"{launch_us:g} us (an assumption, --launch-us); computed on paper, not measured"),
+        "ceiling_note": (f"per layer and step, fusing R rows removes their bf16 output's write and read back, "
+                         f"4 * R * H * Dv bytes, at the H200's ~{steps_mod.H200_TBPS} TB/s, plus one launch of "
+                         f"{launch_us:g} us (an assumption, --launch-us); R = every row (T) against unfused, the "
+                         f"prefill rows (P; nothing without them) against unfused_split; computed on paper, not "
+                         f"measured"),
         "launch_us": launch_us,
-        "fused": steps_mod.ratio_summary(unfused, [t["fused_ms"] for t in per_step], saving),
-        "fused_all": steps_mod.ratio_summary(unfused, [t["fused_all_ms"] for t in per_step], saving),
-        "ceiling_bytes_only_overall": (sum(unfused) / (sum(unfused) - sum(bytes_only))
-                                       if sum(unfused) > sum(bytes_only) else None),
-        "total_unfused_ms": sum(unfused),
-        "total_fused_ms": sum(t["fused_ms"] for t in per_step),
-        "total_fused_all_ms": sum(t["fused_all_ms"] for t in per_step),
-        "mismatched_steps": [t["step"] for t in per_step if not t["bytes_equal"]],
+        **ratios,
+        "ceiling_bytes_only_overall": bytes_only_overall("unfused", "tokens"),
+        "ceiling_bytes_only_overall_split": bytes_only_overall("unfused_split", "prefill_rows"),
+        **{f"total_{name}_ms": sum(t[f"{name}_ms"] for t in per_step) for name in steps_mod.StepRunner.VARIANTS},
+        "bytes": bytes_pairs,
+        "mismatched_steps": sorted({s for key in checked for s in bytes_pairs[key]["differ_at"]}),
         "per_step": per_step,
     }
 
@@ -334,23 +378,41 @@ def _x(v) -> str:
     return "n/a" if v is None else f"{v:.3f}x"
 
 
+def _bytes_line(key: str, pair: dict) -> str:
+    """One pair's byte comparison in words."""
+    differ = pair["differ_at"]
+    return (f"{key} ({pair['what']}): " + ("equal at every step" if not differ else
+                                             f"differ at {len(differ)} steps {differ[:10]}"))
+
+
 def timing_lines(t: dict) -> list[str]:
-    """The timing part of the summary: per-step ratio distributions beside the ceiling on paper."""
+    """The timing part of the summary: per-step ratio distributions beside the ceiling on paper, the bytes."""
     lines = [f"timing on {t['device']} ({t['kernels']} kernels), {len(t['per_step'])} busy steps: {t['what']}",
              f"  ceiling: {t['ceiling_note']}"]
-    for name in ("fused", "fused_all"):
-        r = t[name]
+    width = max(len(label) for _, _, _, label in RATIOS)
+    for key, _, _, label in RATIOS:
+        r = t[key]
         d, c = r["ratio"], r["ceiling"]
-        lines.append(f"  unfused / {name:9s} per step: min {_x(d['min'])}, p10 {_x(d['p10'])}, median "
+        lines.append(f"  {label:{width}s} per step: min {_x(d['min'])}, p10 {_x(d['p10'])}, median "
                      f"{_x(d['median'])}, p90 {_x(d['p90'])}, max {_x(d['max'])}; overall {_x(r['overall'])} "
                      f"({r['steps_below_0.99']} steps below 0.99x)")
         lines.append(f"    ceiling on paper per step: min {_x(c['min'])}, median {_x(c['median'])}, max {_x(c['max'])}; "
                      f"overall {_x(r['ceiling_overall'])}; share of the possible saving taken: "
                      + ("n/a" if r["saving_taken"] is None else f"{r['saving_taken']:.0%}"))
-    lines.append(f"  ceiling from bytes alone (no launch term): overall {_x(t['ceiling_bytes_only_overall'])}")
-    if t["mismatched_steps"]:
-        lines.append(f"  ERROR: the variants' bytes differ at steps {t['mismatched_steps'][:10]}")
+    lines.append(f"  ceiling from bytes alone (no launch term): overall {_x(t['ceiling_bytes_only_overall'])} against "
+                 f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split)")
+    lines.append(f"  totals: {_totals(t)}")
+    for key, pair in t["bytes"].items():
+        if pair["checked"] and pair["differ_at"]:
+            lines.append(f"  ERROR: bytes {_bytes_line(key, pair)}")
+        else:
+            lines.append(f"  bytes {_bytes_line(key, pair)}")
     return lines
+
+
+def _totals(t: dict) -> str:
+    return (f"unfused (one call) {t['total_unfused_ms']:.1f} ms, unfused (split) {t['total_unfused_split_ms']:.1f} ms, "
+            f"fused (runtime) {t['total_fused_ms']:.1f} ms, fused_all {t['total_fused_all_ms']:.1f} ms")
 
 
 def markdown(doc: dict, command: str) -> str:
@@ -367,18 +429,20 @@ def markdown(doc: dict, command: str) -> str:
     if t["skipped"]:
         return "\n".join(lines + [f"- Timing skipped: {t['skipped']}"]) + "\n"
     lines += [f"- Method: {t['what']}", f"- Ceiling: {t['ceiling_note']}", "",
-              "| variant | min | p10 | median | p90 | max | overall | ceiling overall | saving taken | steps < 0.99x |",
+              "| ratio | min | p10 | median | p90 | max | overall | ceiling overall | saving taken | steps < 0.99x |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for name in ("fused", "fused_all"):
-        r = t[name]
+    for key, _, _, label in RATIOS:
+        r = t[key]
         d = r["ratio"]
         taken = "n/a" if r["saving_taken"] is None else f"{r['saving_taken']:.0%}"
-        lines.append(f"| unfused / {name} | {_x(d['min'])} | {_x(d['p10'])} | {_x(d['median'])} | {_x(d['p90'])} | "
+        lines.append(f"| {label} | {_x(d['min'])} | {_x(d['p10'])} | {_x(d['median'])} | {_x(d['p90'])} | "
                      f"{_x(d['max'])} | {_x(r['overall'])} | {_x(r['ceiling_overall'])} | {taken} | "
                      f"{r['steps_below_0.99']} of {d['n']} |")
     lines.append("")
-    lines.append(f"Totals: unfused {t['total_unfused_ms']:.1f} ms, fused {t['total_fused_ms']:.1f} ms, fused_all "
-                 f"{t['total_fused_all_ms']:.1f} ms; ceiling from bytes alone {_x(t['ceiling_bytes_only_overall'])}.")
+    lines.append(f"Totals: {_totals(t)}; ceiling from bytes alone {_x(t['ceiling_bytes_only_overall'])} against "
+                 f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split).")
+    lines.append("Bytes: " + "; ".join(_bytes_line(key, pair) + ("" if pair["checked"] else " (not required)")
+                                       for key, pair in t["bytes"].items()) + ".")
     return "\n".join(lines) + "\n"
 
 

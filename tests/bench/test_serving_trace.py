@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from fusion_pass import nvfp4
 
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "serving_trace.py"
@@ -25,6 +28,7 @@ def _load():
 st = _load()
 sched = sys.modules["_schedule"]  # bench/ is on sys.path once the script is loaded
 steps_mod = sys.modules["_serving_steps"]
+REFERENCE_KERNELS = st.reference_kernels  # tests monkeypatch st.reference_kernels
 Chunk, Step, Lengths, TraceConfig = sched.Chunk, sched.Step, sched.Lengths, sched.TraceConfig
 
 SEEDS = range(25)
@@ -285,25 +289,219 @@ def test_ceiling_and_ratio_summary_by_hand():
     assert s["ceiling"]["max"] == pytest.approx(2.0)
 
 
-def test_timed_steps_on_the_cpu_agree_byte_for_byte(tmp_path):
-    """The three variants (unfused, fused as the runtime splits it, fused in one call) on the reference
-    kernels: every busy step is timed and all of them write the same bytes."""
+def test_split_ceiling_by_hand():
+    dims = steps_mod.AttnDims(16, 16, 192, 128)
+    mixed = steps_mod.step_layout(Step(0, (Chunk("a", 1, 5, False), Chunk("b", 3, 2, True))).batch_spec(),
+                                  {"a": 0, "b": 10})
+    decodes = steps_mod.step_layout(Step(0, (Chunk("a", 1, 5, False), Chunk("b", 1, 2, False))).batch_spec(),
+                                    {"a": 0, "b": 10})
+    prefill = steps_mod.step_layout(Step(0, (Chunk("b", 3, 2, True),)).batch_spec(), {"b": 10})
+    # the decode rows are quantized after attention on both sides: only the prefill rows' pass and a launch
+    assert steps_mod.split_ceiling_ms(mixed, dims, 2, launch_us=5) == steps_mod.ceiling_ms(3, dims, 2, launch_us=5)
+    assert steps_mod.split_ceiling_ms(mixed, dims, 2, launch_us=5) < steps_mod.ceiling_ms(4, dims, 2, launch_us=5)
+    assert steps_mod.split_ceiling_ms(decodes, dims, 2, launch_us=5) == 0.0
+    assert steps_mod.split_ceiling_ms(prefill, dims, 2, launch_us=5) == steps_mod.ceiling_ms(3, dims, 2, launch_us=5)
+
+
+def _logging_kernels(log: list):
+    """The reference kernels, each call logged as ``(kernel, arguments that pick the rows)``."""
+    ref = REFERENCE_KERNELS()
+
+    def attention(q, k, v, cu_seqlens, max_seqlen, **kw):
+        log.append(("attention", q.shape[0], tuple(cu_seqlens.tolist()), max_seqlen,
+                    tuple(kw["cu_seqlens_k"].tolist()), kw["max_seqlen_k"], k.shape[0]))
+        return ref.attention(q, k, v, cu_seqlens, max_seqlen, **kw)
+
+    def fused(q, k, v, **kw):
+        log.append(("fused", q.shape[0], tuple(kw["cu_seqlens"].tolist()), kw["max_seqlen"],
+                    tuple(kw["cu_seqlens_k"].tolist()), kw["max_seqlen_k"], k.shape[0]))
+        ref.fused(q, k, v, **kw)
+
+    def quantize_into(x, gs, packed, scales):
+        log.append(("quantize_into", x.shape[0]))
+        ref.quantize_into(x, gs, packed, scales)
+
+    def quantize_rows(x, gs, packed, scales, row_start):
+        log.append(("quantize_rows", x.shape[0], row_start))
+        ref.quantize_rows(x, gs, packed, scales, row_start)
+
+    return ref._replace(attention=attention, fused=fused, quantize_into=quantize_into, quantize_rows=quantize_rows)
+
+
+STEP_SHAPES = {  # (query_len, context_len) per request, decodes first
+    "mixed": ((1, 5), (1, 9), (3, 2), (4, 0)),
+    "prefill": ((3, 2), (4, 0)),
+    "decode": ((1, 5), (1, 9)),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(STEP_SHAPES))
+def test_unfused_split_makes_the_runtimes_calls_with_bf16_prefill_rows(shape):
+    """Each variant's kernel calls, layer by layer: ``unfused_split``'s decode calls are ``fused``'s, its prefill
+    attention has the offsets of ``fused``'s fused call; a step without decode rows is ``unfused``'s work, one
+    without prefill rows ``fused``'s. Checked pairs agree byte for byte, on every layer."""
+    chunks = tuple(Chunk(f"r{i}", q, c, q > 1) for i, (q, c) in enumerate(STEP_SHAPES[shape]))
+    spec = Step(0, chunks).batch_spec()
+    regions, top = {}, 0
+    for i, (q, c) in enumerate(STEP_SHAPES[shape]):
+        regions[f"r{i}"], top = top, top + q + c
+    layout = steps_mod.step_layout(spec, regions)
+    log, layers, dims = [], 3, steps_mod.AttnDims(4, 4, 48, 32)
+    runner = steps_mod.StepRunner(_logging_kernels(log), dims, layers, top, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    for slab in runner.k_slab + runner.v_slab:  # the cached context, as earlier steps would have left it
+        slab.normal_(generator=gen)
+    variants, fresh, outs = runner.prepare(layout)
+    fresh()
+    calls = {}
+    for name, call in variants.items():
+        log.clear()
+        call()
+        calls[name] = list(log)
+    d, t, cu_q, cu_k = layout.decodes, layout.tokens, layout.cu_q, layout.cu_k
+    tk = cu_k[-1]
+    qlens = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    klens = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+    decode = [("attention", d, cu_q[:d + 1], 1, cu_k[:d + 1], max(klens[:d]), cu_k[d]),
+              ("quantize_rows", d, 0)] if d else []
+    prefill_args = (t, cu_q[d:], max(qlens[d:]), cu_k[d:], max(klens[d:]), tk) if d < len(qlens) else None
+    assert calls["unfused"] == layers * [("attention", t, cu_q, max(qlens), cu_k, max(klens), tk), ("quantize_into", t)]
+    assert calls["fused_all"] == layers * [("fused", t, cu_q, max(qlens), cu_k, max(klens), tk)]
+    if shape == "mixed":
+        assert calls["fused"] == layers * [*decode, ("fused", *prefill_args)]
+        assert calls["unfused_split"] == layers * [*decode, ("attention", *prefill_args), ("quantize_rows", t - d, d)]
+    elif shape == "prefill":
+        assert calls["unfused_split"] == calls["unfused"]
+        assert calls["fused"] == calls["fused_all"]
+    else:
+        assert calls["unfused_split"] == calls["fused"] == layers * decode
+    for x, y in steps_mod.CHECKED_PAIRS:
+        for bufs_x, bufs_y in zip(outs[x], outs[y], strict=True):
+            for a, b in zip(bufs_x, bufs_y, strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (x, y)
+    for p, sc in outs["unfused_split"]:  # every row written, its packed values and its block scales
+        scales = nvfp4.unswizzle_scales(sc, t, dims.heads * dims.dv // 16).view(torch.uint8)
+        assert p.ne(0).any(dim=1).all() and scales.ne(0).all()
+
+
+def test_timed_steps_on_the_cpu_agree_byte_for_byte(tmp_path, capsys):
+    """The four variants (unfused in one call, unfused split like the runtime, fused as the runtime splits it,
+    fused in one call) on the reference kernels: every busy step is timed and the checked pairs write the same
+    bytes; the three ratios reach the summary, the markdown and the JSON."""
     path, md = tmp_path / "trace.json", tmp_path / "trace.md"
     assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "14", "--prefix-hit-rate", "0.5",
                     "--warmup", "0", "--repeats", "1", "--json", str(path), "--markdown", str(md)]) == 0
+    out = capsys.readouterr().out
     doc = json.loads(path.read_text())
     t = doc["timing"]
     busy = [s for s in doc["per_step"] if s["tokens"]]
     assert t["skipped"] is None and t["mismatched_steps"] == []
     assert [p["step"] for p in t["per_step"]] == [s["step"] for s in busy]
-    assert all(p["bytes_equal"] for p in t["per_step"])
+    assert set(t["bytes"]) == {"fused_all==unfused", "fused==unfused_split", "fused==unfused"}
+    assert [k for k, v in t["bytes"].items() if v["checked"]] == ["fused_all==unfused", "fused==unfused_split"]
+    assert all(v["differ_at"] == [] for v in t["bytes"].values())
+    assert all(all(p["bytes_equal"].values()) and len(p["bytes_equal"]) == 3 for p in t["per_step"])
     assert any(p["decode_rows"] and p["prefill_rows"] for p in t["per_step"]), "a mixed step"
-    for name in ("fused", "fused_all"):
-        assert set(t[name]["ratio"]) == {"n", "min", "p10", "median", "p90", "max"}
-        assert t[name]["ratio"]["n"] == len(busy)
+    for p in t["per_step"]:
+        assert p["unfused_split_ms"] > 0 and p["speedup_split"] == pytest.approx(p["unfused_split_ms"] / p["fused_ms"])
+        assert p["ceiling_saving_split_ms"] <= p["ceiling_saving_ms"]
+        assert (p["ceiling_saving_split_ms"] == 0) == (p["prefill_rows"] == 0)
+    labels = {"fused": "unfused (one call) / fused (runtime)", "fused_all": "unfused (one call) / fused_all (one call)",
+              "split": "unfused (split like the runtime) / fused (runtime)"}
+    for key, label in labels.items():
+        assert set(t[key]["ratio"]) == {"n", "min", "p10", "median", "p90", "max"}
+        assert t[key]["ratio"]["n"] == len(busy) and t[key]["label"] == label
+        assert f"  {label}" in out and f"| {label} |" in md.read_text()
+    assert (t["split"]["baseline"], t["split"]["variant"]) == ("unfused_split", "fused")
+    ratios = [p["speedup_split"] for p in t["per_step"]]
+    assert t["split"]["ratio"]["min"] == min(ratios) and t["split"]["ratio"]["max"] == max(ratios)
+    assert t["split"]["overall"] == pytest.approx(t["total_unfused_split_ms"] / t["total_fused_ms"])
+    assert t["total_unfused_split_ms"] == pytest.approx(sum(p["unfused_split_ms"] for p in t["per_step"]))
     assert doc["counters"] is None and doc["fused_fraction"]["this"] is None
     text = md.read_text()
-    assert "| unfused / fused |" in text and "4.8 TB/s" in text and "--timing-only" in text
+    assert "4.8 TB/s" in text and "--timing-only" in text and "unfused (split)" in text
+    assert "bytes fused==unfused_split (the same sub-batch calls): equal at every step" in out
+    assert "ERROR" not in out
+
+
+def _flip(buf, row):
+    b = buf.view(torch.uint8)
+    b[row, 0] = b[row, 0] ^ 0xFF
+
+
+def _corrupting(which: str):
+    """Reference kernels with one byte flipped (in the first row the call writes) of the calls ``which`` names:
+    ``rows_past_0``: row-range quantizer calls from a row past 0 (``unfused_split``'s prefill rows);
+    ``fused_sub_batch`` / ``fused_from_row_0``: fused calls whose rows start past row 0 / at row 0;
+    ``same_in_both``: both ``rows_past_0`` and ``fused_sub_batch`` (the same byte on both sides of a pair)."""
+    ref = REFERENCE_KERNELS()
+
+    def fused(q, k, v, **kw):
+        ref.fused(q, k, v, **kw)
+        first = int(kw["cu_seqlens"][0])
+        if (which in ("fused_sub_batch", "same_in_both") and first > 0) or (which == "fused_from_row_0" and not first):
+            _flip(kw["output"], first)
+
+    def quantize_rows(x, gs, packed, scales, row_start):
+        ref.quantize_rows(x, gs, packed, scales, row_start)
+        if which in ("rows_past_0", "same_in_both") and row_start > 0:
+            _flip(packed, row_start)
+
+    return ref._replace(fused=fused, quantize_rows=quantize_rows)
+
+
+@pytest.fixture(scope="module")
+def trace_steps():
+    args = st.parse_args(["--tiny", "--steps", "16", "--prefix-hit-rate", "0.5"])
+    steps = st.generate_schedule(st.config_from_args(args))
+    layouts = {s.index: (s.decode_tokens, s.prefill_tokens) for s in steps if s.chunks}
+    assert any(d and p for d, p in layouts.values()), "a mixed step"
+    assert any(not d and p for d, p in layouts.values()), "a step without decode rows"
+    return steps, layouts
+
+
+def _time(steps, monkeypatch, which):
+    monkeypatch.setattr(st, "reference_kernels", lambda: _corrupting(which))
+    return st.time_trace(steps, model="mla", tiny=True, device="cpu", layers=2, warmup=0, repeats=1,
+                         launch_us=5.0, seed=0, progress=False)
+
+
+def test_a_corrupted_byte_is_reported_for_its_pair(trace_steps, monkeypatch):
+    steps, layouts = trace_steps
+    mixed = sorted(i for i, (d, p) in layouts.items() if d and p)
+    no_decode = sorted(i for i, (d, p) in layouts.items() if not d)
+
+    def differ(t):
+        return {k: v["differ_at"] for k, v in t["bytes"].items()}
+
+    # unfused_split's prefill quantizer (rows from D > 0): only the split pair, at the mixed steps
+    t = _time(steps, monkeypatch, "rows_past_0")
+    assert differ(t) == {"fused_all==unfused": [], "fused==unfused_split": mixed, "fused==unfused": []}
+    assert t["mismatched_steps"] == mixed
+    assert any(line.startswith("  ERROR: bytes fused==unfused_split") for line in st.timing_lines(t))
+    # fused's prefill call beside decode rows: the split pair fails; fused != unfused is only recorded
+    t = _time(steps, monkeypatch, "fused_sub_batch")
+    assert differ(t) == {"fused_all==unfused": [], "fused==unfused_split": mixed, "fused==unfused": mixed}
+    # a fused call over rows from 0: fused_all at every step, fused (one call then) at the steps without decodes
+    t = _time(steps, monkeypatch, "fused_from_row_0")
+    assert differ(t) == {"fused_all==unfused": sorted(layouts), "fused==unfused_split": no_decode,
+                         "fused==unfused": no_decode}
+    assert t["mismatched_steps"] == sorted(layouts)
+    # the same flip on both sides of the split pair: it holds; fused != unfused is not an error
+    t = _time(steps, monkeypatch, "same_in_both")
+    assert differ(t) == {"fused_all==unfused": [], "fused==unfused_split": [], "fused==unfused": mixed}
+    assert t["mismatched_steps"] == []
+    lines = st.timing_lines(t)
+    assert not any("ERROR" in line for line in lines)
+    assert f"  bytes fused==unfused (other calls: informational): differ at {len(mixed)} steps {mixed[:10]}" in lines
+
+
+def test_a_mismatch_of_a_checked_pair_exits_1(monkeypatch, capsys):
+    monkeypatch.setattr(st, "reference_kernels", lambda: _corrupting("rows_past_0"))
+    assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "8", "--warmup", "0", "--repeats", "1"]) == 1
+    assert "ERROR: bytes fused==unfused_split (the same sub-batch calls): differ at" in capsys.readouterr().out
+    monkeypatch.setattr(st, "reference_kernels", lambda: _corrupting("same_in_both"))
+    assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "8", "--warmup", "0", "--repeats", "1"]) == 0
 
 
 def test_cuda_without_a_gpu_is_refused(monkeypatch, capsys):
