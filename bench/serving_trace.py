@@ -279,10 +279,28 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
         "ceiling_bytes_only_overall": bytes_only_overall("unfused", "tokens"),
         "ceiling_bytes_only_overall_split": bytes_only_overall("unfused_split", "prefill_rows"),
         **{f"total_{name}_ms": sum(t[f"{name}_ms"] for t in per_step) for name in steps_mod.StepRunner.VARIANTS},
+        "noise_floor": noise_floor(per_step),
         "bytes": bytes_pairs,
         "mismatched_steps": sorted({s for key in checked for s in bytes_pairs[key]["differ_at"]}),
         "per_step": per_step,
     }
+
+
+def noise_floor(per_step: list[dict]) -> dict:
+    """The measurement's own spread: on a step without prefill rows ``fused`` and ``unfused_split`` make the very
+    same calls, so their per-step ratio differs from 1 by timing noise alone. ``{"n", "min", "max"}`` over those
+    steps (``n == 0``, no bounds, when every busy step has prefill rows)."""
+    same = [t["unfused_split_ms"] / t["fused_ms"] for t in per_step if not t["prefill_rows"]]
+    return {"n": len(same), "min": min(same, default=None), "max": max(same, default=None)}
+
+
+def _noise_line(t: dict) -> str:
+    floor = t.get("noise_floor") or {"n": 0}
+    if not floor["n"]:
+        return "noise floor: not measured (no step without prefill rows)"
+    return (f"noise floor: on the {floor['n']} steps without prefill rows, where fused and unfused_split make the same "
+            f"calls, unfused_split / fused spans {_x(floor['min'])} .. {_x(floor['max'])}: a per-step ratio inside "
+            f"that band is timing noise")
 
 
 # --------------------------------------------------------------------------
@@ -402,6 +420,7 @@ def timing_lines(t: dict) -> list[str]:
     lines.append(f"  ceiling from bytes alone (no launch term): overall {_x(t['ceiling_bytes_only_overall'])} against "
                  f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split)")
     lines.append(f"  totals: {_totals(t)}")
+    lines.append(f"  {_noise_line(t)}")
     for key, pair in t["bytes"].items():
         if pair["checked"] and pair["differ_at"]:
             lines.append(f"  ERROR: bytes {_bytes_line(key, pair)}")
@@ -443,6 +462,8 @@ def markdown(doc: dict, command: str) -> str:
                  f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split).")
     lines.append("Bytes: " + "; ".join(_bytes_line(key, pair) + ("" if pair["checked"] else " (not required)")
                                        for key, pair in t["bytes"].items()) + ".")
+    noise = _noise_line(t)
+    lines.append(noise[0].upper() + noise[1:] + ".")
     return "\n".join(lines) + "\n"
 
 

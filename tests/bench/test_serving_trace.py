@@ -422,6 +422,23 @@ def test_timed_steps_on_the_cpu_agree_byte_for_byte(tmp_path, capsys):
     assert "4.8 TB/s" in text and "--timing-only" in text and "unfused (split)" in text
     assert "bytes fused==unfused_split (the same sub-batch calls): equal at every step" in out
     assert "ERROR" not in out
+    floor = t["noise_floor"]
+    same = [p["speedup_split"] for p in t["per_step"] if not p["prefill_rows"]]
+    assert floor["n"] == len(same)
+    if same:
+        assert (floor["min"], floor["max"]) == (min(same), max(same))
+        assert f"noise floor: on the {len(same)} steps without prefill rows" in out
+        assert f"Noise floor: on the {len(same)} steps without prefill rows" in text
+
+
+def test_noise_floor_by_hand():
+    steps = [{"prefill_rows": 0, "unfused_split_ms": 1.0, "fused_ms": 1.25},
+             {"prefill_rows": 3, "unfused_split_ms": 9.0, "fused_ms": 1.0},
+             {"prefill_rows": 0, "unfused_split_ms": 1.1, "fused_ms": 1.0}]
+    assert st.noise_floor(steps) == {"n": 2, "min": 0.8, "max": pytest.approx(1.1)}
+    assert st.noise_floor(steps[1:2]) == {"n": 0, "min": None, "max": None}
+    assert "not measured" in st._noise_line({"noise_floor": st.noise_floor(steps[1:2])})
+    assert "0.800x .. 1.100x" in st._noise_line({"noise_floor": st.noise_floor(steps)})
 
 
 def _flip(buf, row):
