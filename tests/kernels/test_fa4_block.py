@@ -120,6 +120,24 @@ def _special_rows(k, generator):
     return torch.stack(rows)
 
 
+def _tie_rows(k, dtype):
+    """Rows whose every 16-element block starts with 6.0 (with ``gs = 1`` the block scale is 1 and the codes are
+    the rounding of the values themselves), then the e2m1 ties, the edges of the magnitude ranges a rounding
+    step holds for (2, ~2.06, 4, 4.5) and 6, each with its neighbours one ``dtype`` ulp below and above (none
+    above 6), and their negatives: every place a rounding of |q| to the e2m1 grid can go wrong, in the input's
+    precision."""
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.0, 2.0625, 2.5, 3.5, 4.0, 4.5, 5.0, 6.0], dtype=dtype)
+    near = torch.cat([torch.nextafter(points, torch.zeros_like(points)), points,
+                      torch.nextafter(points, torch.full_like(points, 8.0))]).float()
+    near = near[near <= 6.0]  # above 6 the block's amax, and so its scale, would change (saturation: _special_rows)
+    values = torch.cat([near, -near])
+    blocks = [torch.cat([torch.tensor([6.0]), values[i:i + 15]]) for i in range(0, len(values), 15)]
+    blocks[-1] = torch.cat([blocks[-1], torch.zeros(16 - len(blocks[-1]))])
+    row = torch.cat(blocks)
+    width = -(-len(row) // k) * k
+    return torch.cat([row, torch.zeros(width - len(row))]).view(-1, k)
+
+
 def _major():
     return torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else None
 
@@ -131,13 +149,13 @@ def _major():
 @pytest.mark.parametrize("m, k", [(1, 16), (130, 256), (257, 4096), (64, 2048 + 16)])
 def test_block_quantization_on_the_gpu_equals_the_reference(tmp_path, dtype, m, k, native):
     """The software path on SM90 and SM100; the native e2m1 conversion on SM100/SM110 only (where it exists):
-    NaN, infinity, negative zero and ties included."""
+    NaN, infinity, negative zero, ties and their neighbours included."""
     if native and _major() not in (10, 11):
         pytest.skip("cvt.rn.satfinite.e2m1x2.f32 exists on SM100 and later only")
     module = _load_kernel_module(tmp_path)
     generator = torch.Generator().manual_seed(m * 7919 + k)
     x = torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 40
-    special = _special_rows(k, generator)
+    special = torch.cat([_special_rows(k, generator), _tie_rows(k, dtype)])
     x[: min(m, len(special))] = special[: min(m, len(special))]
     x = x.to(dtype)
     for gs_value in (448 * 6 / 40.0, 1.0, 3.0e4):
@@ -153,3 +171,20 @@ def test_block_quantization_on_the_gpu_equals_the_reference(tmp_path, dtype, m, 
         assert torch.equal(packed.cpu(), want_packed), (gs_value, (packed.cpu() != want_packed).nonzero()[:5])
         got_scales = scales.cpu().view(rows, cols)
         assert torch.equal(got_scales, want_scales.view(torch.uint8)), gs_value
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [16, 256, 4096])
+def test_tie_rows_hold_every_tie_and_its_neighbours_in_blocks_led_by_six(dtype, k):
+    """The GPU test's tie rows (checked here, on any machine): blocks of 16 led by 6.0, every tie and range edge
+    with both neighbours exactly representable in ``dtype``, negatives too."""
+    rows = _tie_rows(k, dtype)
+    assert rows.shape[1] == k and torch.equal(rows.to(dtype).float(), rows)
+    blocks = rows.reshape(-1, 16)
+    used = blocks[blocks.abs().sum(1) > 0]
+    assert (used[:, 0] == 6.0).all() and (used.abs().amax(1) == 6.0).all()
+    values = set(used[:, 1:].flatten().tolist())
+    for t in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0):
+        below = torch.nextafter(torch.tensor(t, dtype=dtype), torch.tensor(0.0, dtype=dtype)).item()
+        above = torch.nextafter(torch.tensor(t, dtype=dtype), torch.tensor(8.0, dtype=dtype)).item()
+        assert {t, below, above, -t, -below, -above} <= values, t
