@@ -291,13 +291,19 @@ class StepRunner:
 
         return variants, fresh, outs
 
-    def run_step(self, layout: StepLayout, *, warmup: int, repeats: int) -> dict:
-        """:meth:`prepare` the step, then time every variant (CUDA events around the layers' calls, median of
-        ``repeats`` after ``warmup``, fresh randn queries before every call, outside the timed region; CPU:
-        wall time) and compare their bytes pairwise (after one call each on the same queries).
+    def run_step(self, layout: StepLayout, *, warmup: int, repeats: int, clock: str = "eager") -> dict:
+        """:meth:`prepare` the step, then time every variant and compare their bytes pairwise (after one call
+        each on the same queries).
 
-        Returns ``{"ms": {variant: median}, "bytes_equal": {pair_key(pair): bool}}`` over
-        :data:`CHECKED_PAIRS` and :data:`INFO_PAIRS`."""
+        ``clock="eager"``: CUDA events around the layers' eager calls, median of ``repeats`` after ``warmup``,
+        fresh randn queries before every call, outside the timed region. ``clock="graph"``: the layers' calls
+        captured in one CUDA graph (after ``warmup`` runs on the capture stream) and replayed ``repeats``
+        times, median of the replays' CUDA-event times: GPU time alone, no host cost or launch gaps; the
+        step's queries are drawn once. A variant that cannot be captured is timed eagerly, its reason in
+        ``eager_instead``. On the CPU: wall time.
+
+        Returns ``{"ms": {variant: median}, "bytes_equal": {pair_key(pair): bool}, "eager_instead":
+        {variant: why}}`` over :data:`CHECKED_PAIRS` and :data:`INFO_PAIRS`."""
         variants, fresh, outs = self.prepare(layout)
         fresh()
         for call in variants.values():  # one call each on the same queries: compile, then compare bytes
@@ -305,14 +311,21 @@ class StepRunner:
         equal = {pair_key((x, y)): all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                                        for bufs_x, bufs_y in zip(outs[x], outs[y]) for a, b in zip(bufs_x, bufs_y))
                  for x, y in CHECKED_PAIRS + INFO_PAIRS}
-        ms = {}
+        ms, eager_instead = {}, {}
         for name, call in variants.items():
-            if self.cuda:
+            samples = None
+            if self.cuda and clock == "graph":
+                try:
+                    samples = _timing.graph_replay_ms(call, calls=1, replays=repeats, warmup=warmup)
+                except Exception as exc:  # not capturable here: timed eagerly instead, and said so
+                    eager_instead[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    torch.cuda.synchronize()
+            if samples is None and self.cuda:
                 samples = _timing.event_ms(call, repeats=repeats, warmup=warmup, before=fresh)
-            else:
+            elif samples is None:
                 samples = []
                 for _ in range(repeats):
                     fresh()
                     samples += _timing.cpu_ms(call, repeats=1, warmup=0)
             ms[name] = _timing.median(samples)
-        return {"ms": ms, "bytes_equal": equal}
+        return {"ms": ms, "bytes_equal": equal, "eager_instead": eager_instead}

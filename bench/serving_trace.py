@@ -25,7 +25,9 @@ appended in place; four variants:
   fused_all      every row by the fused kernel in one call.
 
 Per step: CUDA events around the layers' calls (eager, as vLLM runs its attention op between CUDA-graph
-pieces), median of --repeats after --warmup, fresh random queries before every call. Bytes are compared
+pieces), median of --repeats after --warmup, fresh random queries before every call; or with --clock
+graph the layers' calls of each variant captured in one CUDA graph and replayed (GPU time alone: no host
+cost, no launch gaps; a variant that cannot be captured is timed eagerly and reported). Bytes are compared
 by pairs that make the same attention calls: fused_all == unfused (one call over every row) and
 fused == unfused_split (the same sub-batch calls), required at every step; fused == unfused is
 recorded but not required (a row's bytes may depend on the sub-batch computing it, through the tile
@@ -211,7 +213,7 @@ PAIR_WHAT = {"fused_all==unfused": "the same one call", "fused==unfused_split": 
 
 
 def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers: int, warmup: int, repeats: int,
-               launch_us: float, seed: int, progress: bool = True) -> dict:
+               launch_us: float, seed: int, progress: bool = True, clock: str = "eager") -> dict:
     """Time every busy step (see the module docstring); the ``timing`` entry of the JSON."""
     dims = steps_mod.attn_dims(model, tiny)
     cuda = device == "cuda"
@@ -223,7 +225,7 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
     for n, step in enumerate(busy, 1):
         spec = step.batch_spec()
         layout = steps_mod.step_layout(spec, regions)
-        measured = runner.run_step(layout, warmup=warmup, repeats=repeats)
+        measured = runner.run_step(layout, warmup=warmup, repeats=repeats, clock=clock)
         ms = measured["ms"]
         per_step.append({"step": step.index, "kind": step.kind, "tokens": layout.tokens, "decode_rows": layout.decodes,
                          "prefill_rows": layout.prefill_tokens, "keys": layout.cu_k[-1],
@@ -234,7 +236,7 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
                          "ceiling_saving_ms": steps_mod.ceiling_ms(layout.tokens, dims, layers, launch_us=launch_us),
                          "ceiling_saving_split_ms": steps_mod.split_ceiling_ms(layout, dims, layers,
                                                                                launch_us=launch_us),
-                         "bytes_equal": measured["bytes_equal"]})
+                         "bytes_equal": measured["bytes_equal"], "eager_instead": measured["eager_instead"]})
         if progress and (n % 25 == 0 or n == len(busy)):
             print(f"  timed {n}/{len(busy)} busy steps", flush=True)
     savings = {"unfused": [t["ceiling_saving_ms"] for t in per_step],
@@ -265,8 +267,10 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
                  "runtime does; fused_all: every row fused in one call); keys context + new through cu_seqlens_k "
                  "from a preallocated per-request KV slab appended in place, gathered into a packed workspace "
                  "outside the timed region; "
-                 + ("CUDA events around eager calls, median of repeats after warm-up, fresh randn queries per call, "
-                    "L2 not flushed" if cuda else "CPU wall time on the reference kernels (meaningless as performance)")),
+                 + (CLOCK_WHAT[clock] if cuda else "CPU wall time on the reference kernels (meaningless as performance)")),
+        "clock": clock if cuda else "cpu",
+        "eager_instead": [{"step": t["step"], "variant": v, "why": why}
+                          for t in per_step for v, why in t["eager_instead"].items()],
         "dims": {"heads": dims.heads, "kv_heads": dims.kv_heads, "dqk": dims.dqk, "dv": dims.dv},
         "warmup": warmup, "repeats": repeats, "kv_slab_rows": slab_rows,
         "ceiling_note": (f"per layer and step, fusing R rows removes their bf16 output's write and read back, "
@@ -286,12 +290,26 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
     }
 
 
+CLOCK_WHAT = {
+    "eager": "CUDA events around eager calls, median of repeats after warm-up, fresh randn queries per call, "
+             "L2 not flushed",
+    "graph": "CUDA-graph replay of the layers' calls (GPU time alone: no host cost, no launch gaps), median of "
+             "repeats after warm-up, the step's randn queries drawn once, L2 not flushed",
+}
+
+
 def noise_floor(per_step: list[dict]) -> dict:
     """The measurement's own spread: on a step without prefill rows ``fused`` and ``unfused_split`` make the very
     same calls, so their per-step ratio differs from 1 by timing noise alone. ``{"n", "min", "max"}`` over those
     steps (``n == 0``, no bounds, when every busy step has prefill rows)."""
     same = [t["unfused_split_ms"] / t["fused_ms"] for t in per_step if not t["prefill_rows"]]
     return {"n": len(same), "min": min(same, default=None), "max": max(same, default=None)}
+
+
+def _eager_line(fallbacks: list[dict]) -> str:
+    first = fallbacks[0]
+    return (f"{len(fallbacks)} variant-step(s) could not be captured in a CUDA graph and were timed eagerly "
+            f"(first: step {first['step']}, {first['variant']}: {first['why']})")
 
 
 def _noise_line(t: dict) -> str:
@@ -421,6 +439,8 @@ def timing_lines(t: dict) -> list[str]:
                  f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split)")
     lines.append(f"  totals: {_totals(t)}")
     lines.append(f"  {_noise_line(t)}")
+    if t.get("eager_instead"):
+        lines.append(f"  warning: {_eager_line(t['eager_instead'])}")
     for key, pair in t["bytes"].items():
         if pair["checked"] and pair["differ_at"]:
             lines.append(f"  ERROR: bytes {_bytes_line(key, pair)}")
@@ -464,6 +484,8 @@ def markdown(doc: dict, command: str) -> str:
                                        for key, pair in t["bytes"].items()) + ".")
     noise = _noise_line(t)
     lines.append(noise[0].upper() + noise[1:] + ".")
+    if t.get("eager_instead"):
+        lines.append("Warning: " + _eager_line(t["eager_instead"]) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -505,6 +527,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--launch-us", type=float, default=5.0,
                         help="the ceiling's launch term: us one removed launch saves per layer (default 5, an "
                              "assumption; the bytes term is computed from the H200's ~4.8 TB/s)")
+    parser.add_argument("--clock", choices=("eager", "graph"), default="eager",
+                        help="--device cuda: how a step's variants are timed: eager (CUDA events around eager calls, "
+                             "as vLLM runs its attention op between CUDA-graph pieces: host cost included) or graph "
+                             "(CUDA-graph replay: GPU time alone, the server-under-CUDA-graphs view) (default eager)")
     parser.add_argument("--timing-only", action="store_true",
                         help="time the steps but do not run the demo model (no counters: `this` is null)")
     parser.add_argument("--cpu-timing", action="store_true",
@@ -528,6 +554,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("prompt_mean", "decode_mean"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.clock == "graph" and args.device != "cuda":
+        parser.error("--clock graph needs --device cuda (CUDA graphs); the CPU timing is wall time")
     return args
 
 
@@ -578,7 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         timing = {"skipped": "CPU run: timing needs --device cuda (or --cpu-timing for the logic on the reference kernels)"}
     else:
         timing = time_trace(steps, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
-                            warmup=args.warmup, repeats=args.repeats, launch_us=args.launch_us, seed=args.seed)
+                            warmup=args.warmup, repeats=args.repeats, launch_us=args.launch_us, seed=args.seed,
+                            clock=args.clock)
     doc = results_json(cfg, steps, run, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
                        timing=timing)
     with settings.use_context_workspace_tokens(args.workspace_tokens):

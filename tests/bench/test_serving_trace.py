@@ -527,3 +527,65 @@ def test_cuda_without_a_gpu_is_refused(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert st.main(["--device", "cuda", "--timing-only", "--steps", "2"]) == 2
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_graph_clock_needs_cuda(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        st.parse_args(["--clock", "graph"])
+    assert exit_info.value.code == 2
+    assert "--clock graph needs --device cuda" in capsys.readouterr().err
+    assert st.parse_args(["--clock", "graph", "--device", "cuda"]).clock == "graph"
+    assert st.parse_args([]).clock == "eager"
+
+
+@pytest.mark.parametrize("capturable", [True, False])
+def test_graph_clock_replays_each_variant_or_times_it_eagerly_and_says_why(trace_steps, monkeypatch, capturable):
+    """The clock's dispatch, on the CPU with the CUDA timers stood in: ``graph`` times every variant by the graph
+    replay; a variant whose capture fails is timed by eager CUDA events instead, and each such variant-step is
+    reported with its reason (JSON, summary and markdown)."""
+    steps, _ = trace_steps
+    timed = {"graph": 0, "eager": 0}
+
+    def graph_replay_ms(fn, *, calls, replays, warmup):
+        assert calls == 1 and replays == 3
+        if not capturable:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        timed["graph"] += 1
+        fn()
+        return [2.0, 1.0, 3.0]
+
+    def event_ms(fn, *, repeats, warmup, before):
+        timed["eager"] += 1
+        before(0)
+        fn()
+        return [5.0] * repeats
+
+    monkeypatch.setattr(steps_mod._timing, "graph_replay_ms", graph_replay_ms)
+    monkeypatch.setattr(steps_mod._timing, "event_ms", event_ms)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    original_init = steps_mod.StepRunner.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.cuda = True  # the CPU tensors stay; only the timers' dispatch is under test
+
+    monkeypatch.setattr(steps_mod.StepRunner, "__init__", init)
+    t = st.time_trace(steps, model="mla", tiny=True, device="cpu", layers=2, warmup=0, repeats=3, launch_us=5.0,
+                      seed=0, progress=False, clock="graph")
+    variants = len(steps_mod.StepRunner.VARIANTS)
+    busy = len(t["per_step"])
+    if capturable:
+        assert timed == {"graph": busy * variants, "eager": 0}
+        assert all(v == 2.0 for p in t["per_step"] for k, v in p.items() if k.endswith("_ms") and "saving" not in k)
+        assert t["eager_instead"] == [] and not any("warning" in line for line in st.timing_lines(t))
+    else:
+        assert timed == {"graph": 0, "eager": busy * variants}
+        assert len(t["eager_instead"]) == busy * variants
+        assert {e["variant"] for e in t["eager_instead"]} == set(steps_mod.StepRunner.VARIANTS)
+        assert all("operation not permitted" in e["why"] for e in t["eager_instead"])
+        assert any(line.startswith(f"  warning: {busy * variants} variant-step(s) could not be captured")
+                   for line in st.timing_lines(t))
+        doc = {"timing": t, "config": {"device": "cpu", "model": "mla", "layers": 2, "max_seqs": 1, "rate": 1,
+                                       "prefix_hit_rate": 0, "seed": 0},
+               "budget": 1, "steps": 1, "fused_fraction": {"pure_prefill_gate": 0.0, "this": None}}
+        assert "Warning: " in st.markdown(doc, "cmd")
