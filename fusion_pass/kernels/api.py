@@ -221,6 +221,7 @@ def check_attention(fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, 
     check_softmax_scale(fn, softmax_scale)
     if global_scale is not None:
         check_global_scale(fn, global_scale, q.device, check_value=False)
+        check_scale_value(fn, global_scale, validate_values)  # the caller's values before the backend's availability
     chosen = choose(fn, backend, q, v)
     if global_scale is not None:  # NVFP4 output
         h, dv = q.shape[1], v.shape[2]
@@ -231,8 +232,6 @@ def check_attention(fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, 
     if validate_values == "device":
         assert_varlen_on_device(fn, q, cu_seqlens, max_seqlen)
         assert_varlen_k_on_device(fn, k, cu_seqlens, cu_seqlens_k, max_seqlen_k, causal)
-    if global_scale is not None:
-        check_scale_value(fn, global_scale, validate_values)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
     return chosen, scale, max_seqlen_k
 
@@ -312,8 +311,8 @@ def quantize(x: Tensor, global_scale: Tensor, *, swizzled: bool = True,
     if backend == "auto" and not is_concrete(x):
         backend = "reference"
     check_x(fn, x, global_scale, check_value=False)
+    check_scale_value(fn, global_scale, validate_values)  # the caller's values before the backend's availability
     chosen = triton_or_reference(fn, backend, x.device)
-    check_scale_value(fn, global_scale, validate_values)
     if chosen == "reference":
         return nvfp4.quantize(x, global_scale, swizzled=swizzled)
     from fusion_pass.kernels.triton.quantize import quantize_launch
@@ -350,8 +349,8 @@ def quantize_rows_into(
     check_backend_name(fn, backend, QUANT_BACKENDS)
     check_validate_values(fn, validate_values)
     check_rows_into_args(fn, x, global_scale, packed, scales, row_start, False)
+    check_scale_value(fn, global_scale, validate_values)  # the caller's values before the backend's availability
     chosen = triton_or_reference(fn, backend, x.device)
-    check_scale_value(fn, global_scale, validate_values)
     launchers.quantize_rows(x, global_scale, packed, scales, row_start, backend=chosen)
 
 

@@ -417,6 +417,34 @@ def test_unavailable_backends_say_why(monkeypatch):
         assert choice.choose("attention", "auto", q, v) == ("fa4" if fa4_ok else "triton")
 
 
+@pytest.mark.parametrize("validate_values", [True, "device"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+@pytest.mark.parametrize("entry", ["quantize", "quantize_rows_into", "attention_nvfp4"])
+def test_a_bad_global_scale_is_named_before_an_unavailable_backend(entry, bad, validate_values, monkeypatch):
+    """CPU tensors where Triton cannot run them (a machine with CUDA, or TRITON_INTERPRET=0) and a bad global
+    scale are two errors: the caller's value is named first, with nothing written, though ``triton`` was asked
+    for (``merge_attention_nvfp4``: tests/kernels/test_merge.py, where the H200 found the other order)."""
+    from row_buffers import POISON, poisoned, scale_bytes
+
+    monkeypatch.setattr(choice, "triton_usable", lambda device: (False, "stub: Triton cannot run here"))
+    gs = torch.tensor([bad])
+    x = torch.randn(4, 32)
+    packed, scales = poisoned(10, 32, torch.uint8, device="cpu")
+    q, k, v, cu = (t.cpu() for t in _args())
+    kw = {"backend": "triton", "validate_values": validate_values}
+    calls = {
+        "quantize": lambda: kernels.quantize(x, gs, **kw),
+        "quantize_rows_into": lambda: kernels.quantize_rows_into(x, gs, packed, scales, 2, **kw),
+        "attention_nvfp4": lambda: kernels.attention_nvfp4(q, k, v, cu, 6, gs, **kw),
+    }
+    with pytest.raises((ValueError, RuntimeError), match=f"^{entry}: global_scale must be positive and finite"):
+        calls[entry]()
+    assert (packed == POISON).all() and (scale_bytes(scales) == POISON).all(), "written before the error"
+    with pytest.raises(RuntimeError, match=f"{entry}: backend 'triton' is unavailable: stub"):
+        gs.fill_(2.0)
+        calls[entry]()
+
+
 # ---------------------------------------------------------------------------
 # the attention op on this device: fused on prefill, fallback byte-equal to unfused
 # ---------------------------------------------------------------------------
