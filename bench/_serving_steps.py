@@ -299,8 +299,9 @@ class StepRunner:
         fresh randn queries before every call, outside the timed region. ``clock="graph"``: the layers' calls
         captured in one CUDA graph (after ``warmup`` runs on the capture stream) and replayed ``repeats``
         times, median of the replays' CUDA-event times: GPU time alone, no host cost or launch gaps; the
-        step's queries are drawn once. A variant that cannot be captured is timed eagerly, its reason in
-        ``eager_instead``. On the CPU: wall time.
+        step's queries are drawn once. When a variant cannot be captured, every variant of the step is timed
+        eagerly (one clock per ratio), the variant and its reason in ``eager_instead``. On the CPU: wall time
+        (``warmup`` untimed calls first).
 
         Returns ``{"ms": {variant: median}, "bytes_equal": {pair_key(pair): bool}, "eager_instead":
         {variant: why}}`` over :data:`CHECKED_PAIRS` and :data:`INFO_PAIRS`."""
@@ -312,20 +313,26 @@ class StepRunner:
                                        for bufs_x, bufs_y in zip(outs[x], outs[y]) for a, b in zip(bufs_x, bufs_y))
                  for x, y in CHECKED_PAIRS + INFO_PAIRS}
         ms, eager_instead = {}, {}
-        for name, call in variants.items():
-            samples = None
-            if self.cuda and clock == "graph":
+        if self.cuda and clock == "graph":
+            for name, call in variants.items():
                 try:
-                    samples = _timing.graph_replay_ms(call, calls=1, replays=repeats, warmup=warmup)
-                except Exception as exc:  # not capturable here: timed eagerly instead, and said so
+                    ms[name] = _timing.median(_timing.graph_replay_ms(call, calls=1, replays=repeats, warmup=warmup))
+                except Exception as exc:  # not capturable here: the whole step is timed eagerly, and said so
                     eager_instead[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     torch.cuda.synchronize()
-            if samples is None and self.cuda:
-                samples = _timing.event_ms(call, repeats=repeats, warmup=warmup, before=fresh)
-            elif samples is None:
-                samples = []
-                for _ in range(repeats):
-                    fresh()
-                    samples += _timing.cpu_ms(call, repeats=1, warmup=0)
-            ms[name] = _timing.median(samples)
+                    ms = {}
+                    break
+        if not ms:
+            for name, call in variants.items():
+                if self.cuda:
+                    samples = _timing.event_ms(call, repeats=repeats, warmup=warmup, before=fresh)
+                else:
+                    for _ in range(warmup):
+                        fresh()
+                        call()
+                    samples = []
+                    for _ in range(repeats):
+                        fresh()
+                        samples += _timing.cpu_ms(call, repeats=1, warmup=0)
+                ms[name] = _timing.median(samples)
         return {"ms": ms, "bytes_equal": equal, "eager_instead": eager_instead}

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 import warnings
 from collections import Counter
@@ -260,7 +261,8 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
         "skipped": None,
         "device": torch.cuda.get_device_name() if cuda else "CPU",
         "kernels": kernels.name,
-        "what": ("per busy step, all layers' attention + NVFP4 output, every row through the same FA4 kernels "
+        "what": ("per busy step, all layers' attention + NVFP4 output, every row through the same "
+                 + ("FA4 kernels " if cuda else "kernels (here the reference's) ") +
                  "(unfused: FA4 bf16 over every row in one call + the quantizer; unfused_split: decode rows FA4 "
                  "bf16 + row-range quantizer, prefill rows FA4 bf16 + row-range quantizer, split as the runtime "
                  "splits them; fused: decode rows as in unfused_split, prefill rows the fused kernel, as the "
@@ -316,6 +318,9 @@ def _noise_line(t: dict) -> str:
     floor = t.get("noise_floor") or {"n": 0}
     if not floor["n"]:
         return "noise floor: not measured (no step without prefill rows)"
+    if floor["n"] == 1:
+        return (f"noise floor: on the one step without prefill rows, where fused and unfused_split make the same "
+                f"calls, unfused_split / fused is {_x(floor['min'])} (one step: no band)")
     return (f"noise floor: on the {floor['n']} steps without prefill rows, where fused and unfused_split make the same "
             f"calls, unfused_split / fused spans {_x(floor['min'])} .. {_x(floor['max'])}: a per-step ratio inside "
             f"that band is timing noise")
@@ -414,9 +419,11 @@ def _x(v) -> str:
     return "n/a" if v is None else f"{v:.3f}x"
 
 
-def _bytes_line(key: str, pair: dict) -> str:
-    """One pair's byte comparison in words."""
+def _bytes_line(key: str, pair: dict, steps: int | None = None) -> str:
+    """One pair's byte comparison in words (``steps``: how many were compared, when known)."""
     differ = pair["differ_at"]
+    if steps == 0:
+        return f"{key} ({pair['what']}): not compared (no busy step)"
     return (f"{key} ({pair['what']}): " + ("equal at every step" if not differ else
                                              f"differ at {len(differ)} steps {differ[:10]}"))
 
@@ -443,9 +450,9 @@ def timing_lines(t: dict) -> list[str]:
         lines.append(f"  warning: {_eager_line(t['eager_instead'])}")
     for key, pair in t["bytes"].items():
         if pair["checked"] and pair["differ_at"]:
-            lines.append(f"  ERROR: bytes {_bytes_line(key, pair)}")
+            lines.append(f"  ERROR: bytes {_bytes_line(key, pair, len(t['per_step']))}")
         else:
-            lines.append(f"  bytes {_bytes_line(key, pair)}")
+            lines.append(f"  bytes {_bytes_line(key, pair, len(t['per_step']))}")
     return lines
 
 
@@ -463,7 +470,8 @@ def markdown(doc: dict, command: str) -> str:
              f"- Schedule: model {c['model']}, {c['layers']} layers, budget {doc['budget']}, {doc['steps']} steps, "
              f"max {c['max_seqs']} seqs, rate {c['rate']}/step, prefix-hit rate {c['prefix_hit_rate']}, seed {c['seed']}",
              f"- Fused fraction of prefill tokens: pure-prefill gate "
-             f"{doc['fused_fraction']['pure_prefill_gate'] or 0:.3f}, this guard "
+             + ("n/a" if doc["fused_fraction"]["pure_prefill_gate"] is None
+                else f"{doc['fused_fraction']['pure_prefill_gate']:.3f}") + ", this guard "
              + ("not measured" if doc["fused_fraction"]["this"] is None else f"{doc['fused_fraction']['this']:.3f}")]
     if t["skipped"]:
         return "\n".join(lines + [f"- Timing skipped: {t['skipped']}"]) + "\n"
@@ -480,7 +488,7 @@ def markdown(doc: dict, command: str) -> str:
     lines.append("")
     lines.append(f"Totals: {_totals(t)}; ceiling from bytes alone {_x(t['ceiling_bytes_only_overall'])} against "
                  f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split).")
-    lines.append("Bytes: " + "; ".join(_bytes_line(key, pair) + ("" if pair["checked"] else " (not required)")
+    lines.append("Bytes: " + "; ".join(_bytes_line(key, pair, len(t["per_step"])) + ("" if pair["checked"] else " (not required)")
                                        for key, pair in t["bytes"].items()) + ".")
     noise = _noise_line(t)
     lines.append(noise[0].upper() + noise[1:] + ".")
@@ -549,6 +557,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("rate", "launch_us", "prefix_hit_rate", "prompt_mean", "decode_mean"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     if args.warmup < 0 or args.rate < 0 or args.launch_us < 0 or not 0 <= args.prefix_hit_rate <= 1:
         parser.error("--warmup, --rate and --launch-us must be >= 0, --prefix-hit-rate in [0, 1]")
     for name in ("prompt_mean", "decode_mean"):

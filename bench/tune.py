@@ -387,6 +387,16 @@ def main(argv=None) -> int:
     parser.add_argument("--no-host-times", action="store_true",
                         help="--fa4: skip the host time per call (each shape compiles flash_attn_varlen_func too)")
     args = parser.parse_args(argv)
+    fa4_only = [f"--{n.replace('_', '-')}" for n in ("seqlens", "dims", "no_host_times") if getattr(args, n)]
+    if fa4_only and not args.fa4:
+        parser.error(f"{', '.join(fa4_only)}: options of the FA4 sweep, which needs --fa4")
+    if args.fa4 and (args.long or args.skip_quant):
+        parser.error("--long and --skip-quant are options of the Triton sweep; with --fa4 use --seqlens 8192")
+    if args.fa4 and args.quick and args.seqlens is not None and 512 not in args.seqlens:
+        parser.error(f"--quick keeps the 512-token shapes only, and --seqlens {','.join(map(str, args.seqlens))} "
+                     f"leaves none of them: drop one of the two")
+    if not math.isfinite(args.budget_s) or args.budget_s <= 0:
+        parser.error(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     if not torch.cuda.is_available():
         print("bench/tune.py needs a CUDA device", file=sys.stderr)
         return 2

@@ -539,16 +539,19 @@ def test_graph_clock_needs_cuda(capsys):
 
 
 @pytest.mark.parametrize("capturable", [True, False])
-def test_graph_clock_replays_each_variant_or_times_it_eagerly_and_says_why(trace_steps, monkeypatch, capturable):
+def test_graph_clock_replays_each_variant_or_times_the_step_eagerly_and_says_why(trace_steps, monkeypatch, capturable):
     """The clock's dispatch, on the CPU with the CUDA timers stood in: ``graph`` times every variant by the graph
-    replay; a variant whose capture fails is timed by eager CUDA events instead, and each such variant-step is
-    reported with its reason (JSON, summary and markdown)."""
+    replay; when one variant's capture fails (here unfused_split, the second of every step), every variant of
+    that step is timed by eager CUDA events instead (one clock per ratio), and the step is reported with the
+    variant and its reason (JSON, summary and markdown)."""
     steps, _ = trace_steps
-    timed = {"graph": 0, "eager": 0}
+    timed = {"graph": 0, "eager": 0, "attempts": 0}
+    variants = steps_mod.StepRunner.VARIANTS
 
     def graph_replay_ms(fn, *, calls, replays, warmup):
         assert calls == 1 and replays == 3
-        if not capturable:
+        timed["attempts"] += 1
+        if not capturable and fn.__name__ == variants[1]:  # the unfused_split closure
             raise RuntimeError("operation not permitted when stream is capturing")
         timed["graph"] += 1
         fn()
@@ -572,20 +575,39 @@ def test_graph_clock_replays_each_variant_or_times_it_eagerly_and_says_why(trace
     monkeypatch.setattr(steps_mod.StepRunner, "__init__", init)
     t = st.time_trace(steps, model="mla", tiny=True, device="cpu", layers=2, warmup=0, repeats=3, launch_us=5.0,
                       seed=0, progress=False, clock="graph")
-    variants = len(steps_mod.StepRunner.VARIANTS)
     busy = len(t["per_step"])
+    times = [v for p in t["per_step"] for k, v in p.items() if k.endswith("_ms") and "saving" not in k]
     if capturable:
-        assert timed == {"graph": busy * variants, "eager": 0}
-        assert all(v == 2.0 for p in t["per_step"] for k, v in p.items() if k.endswith("_ms") and "saving" not in k)
+        assert timed["graph"] == busy * len(variants) and timed["eager"] == 0
+        assert times and all(v == 2.0 for v in times)
         assert t["eager_instead"] == [] and not any("warning" in line for line in st.timing_lines(t))
     else:
-        assert timed == {"graph": 0, "eager": busy * variants}
-        assert len(t["eager_instead"]) == busy * variants
-        assert {e["variant"] for e in t["eager_instead"]} == set(steps_mod.StepRunner.VARIANTS)
+        assert timed["graph"] == busy and timed["eager"] == busy * len(variants)
+        assert times and all(v == 5.0 for v in times), "one clock per step"
+        assert [e["variant"] for e in t["eager_instead"]] == [variants[1]] * busy
+        assert [e["step"] for e in t["eager_instead"]] == [p["step"] for p in t["per_step"]]
         assert all("operation not permitted" in e["why"] for e in t["eager_instead"])
-        assert any(line.startswith(f"  warning: {busy * variants} variant-step(s) could not be captured")
+        assert any(line.startswith(f"  warning: {busy} variant-step(s) could not be captured")
                    for line in st.timing_lines(t))
         doc = {"timing": t, "config": {"device": "cpu", "model": "mla", "layers": 2, "max_seqs": 1, "rate": 1,
                                        "prefix_hit_rate": 0, "seed": 0},
-               "budget": 1, "steps": 1, "fused_fraction": {"pure_prefill_gate": 0.0, "this": None}}
-        assert "Warning: " in st.markdown(doc, "cmd")
+               "budget": 1, "steps": 1, "fused_fraction": {"pure_prefill_gate": None, "this": None}}
+        text = st.markdown(doc, "cmd")
+        assert "Warning: " in text and "pure-prefill gate n/a" in text
+
+
+@pytest.mark.parametrize("option", ["--launch-us", "--rate", "--prefix-hit-rate", "--prompt-mean", "--decode-mean"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_numbers_are_refused(option, value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        st.parse_args([option, value])
+    assert exit_info.value.code == 2
+    assert f"{option} must be a finite number, got {value}" in capsys.readouterr().err
+
+
+def test_edges_of_the_summary_say_what_was_not_measured():
+    pair = {"what": "the same one call", "differ_at": []}
+    assert st._bytes_line("a==b", pair, 0) == "a==b (the same one call): not compared (no busy step)"
+    assert st._bytes_line("a==b", pair, 3) == "a==b (the same one call): equal at every step"
+    one = st._noise_line({"noise_floor": {"n": 1, "min": 0.97, "max": 0.97}})
+    assert "on the one step without prefill rows" in one and "0.970x (one step: no band)" in one

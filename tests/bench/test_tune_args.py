@@ -38,3 +38,18 @@ def test_help_lists_the_filters(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--seqlens" in out and "--dims" in out and "--no-host-times" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--seqlens", "128"], "--seqlens: options of the FA4 sweep, which needs --fa4"),
+    (["--dims", "192x128", "--no-host-times"], "--dims, --no-host-times: options of the FA4 sweep"),
+    (["--fa4", "--long"], "--long and --skip-quant are options of the Triton sweep"),
+    (["--fa4", "--quick", "--seqlens", "128"], "--quick keeps the 512-token shapes only"),
+    (["--fa4", "--budget-s", "nan"], "--budget-s must be a positive number of seconds, got nan"),
+    (["--fa4", "--budget-s", "-5"], "--budget-s must be a positive number of seconds, got -5.0"),
+])
+def test_conflicting_or_meaningless_options_are_refused_before_any_gpu_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tune.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

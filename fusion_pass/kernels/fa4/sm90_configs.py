@@ -83,8 +83,8 @@ def fa4_default(head_dim: int, head_dim_v: int, causal: bool) -> Sm90Config:
 
 TABLE: dict[tuple[int, int, bool, int], Sm90Config] = {}
 """``(D, Dv, causal, seqlen class) -> configuration`` where it differs from :func:`fa4_default`. Empty by the H200
-sweep's choice (``bench/tune.py --fa4``, 2026-12-02: FA4's own configuration was the fastest or within 2% at every
-shape up to 512 tokens; the longer classes were not swept): every call runs FA4's own configuration."""
+sweep's choice (``bench/tune.py --fa4``, 2026-12-02: FA4's own configuration was the fastest or within 2.3% of it at
+every shape up to 512 tokens; the longer classes were not swept): every call runs FA4's own configuration."""
 
 
 def config_for(head_dim: int, head_dim_v: int, causal: bool, seq_class: int) -> Sm90Config:
