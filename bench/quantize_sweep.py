@@ -48,6 +48,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("fusion_pass") is None:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
+if str(REPO_ROOT / "bench") not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+from _quant_bandwidth import quant_bytes  # noqa: E402
 
 SIZES = {16: (2048, 4096), 64: (8192, 4096), 256: (16384, 8192), 512: (16384, 16384)}
 ROWS_START = 64
@@ -69,11 +73,6 @@ def name(config: dict) -> str:
     if config.get("kernel", "pairs") == "pairs":
         return f"pairs {config['BLOCK_M']}x{config['BLOCK_K']} w{config['num_warps']}"
     return f"words {config['BLOCK_M']}x{config['BLOCK_C']} w{config['num_warps']}"
-
-
-def quant_bytes(m: int, k: int) -> int:
-    rows, cols = -(-m // 128) * 128, -(-(k // 16) // 4) * 4
-    return 2 * m * k + m * k // 2 + rows * cols
 
 
 def graph_ms(calls: list, replays: int) -> float:

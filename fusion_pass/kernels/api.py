@@ -81,7 +81,6 @@ from fusion_pass.kernels.checks import (
     check_lses,
     check_outs,
     check_qkv,
-    check_rows_into_args,
     check_scale_value,
     check_softmax_scale,
     check_validate_values,
@@ -98,7 +97,7 @@ from fusion_pass.kernels.choice import (
 )
 from fusion_pass.kernels.fa4.forward import fa4_attention_nvfp4_varlen, fa4_attention_varlen
 from fusion_pass.nvfp4 import ArgumentError
-from fusion_pass.nvfp4.checks import check_global_scale, check_x, is_concrete
+from fusion_pass.nvfp4.checks import check_global_scale, check_rows_into, check_x, is_concrete
 
 __all__ = [
     "attention",
@@ -348,7 +347,7 @@ def quantize_rows_into(
     fn = "quantize_rows_into"
     check_backend_name(fn, backend, QUANT_BACKENDS)
     check_validate_values(fn, validate_values)
-    check_rows_into_args(fn, x, global_scale, packed, scales, row_start, False)
+    check_rows_into(fn, x, global_scale, packed, scales, row_start, check_value=False)
     check_scale_value(fn, global_scale, validate_values)  # the caller's values before the backend's availability
     chosen = triton_or_reference(fn, backend, x.device)
     launchers.quantize_rows(x, global_scale, packed, scales, row_start, backend=chosen)

@@ -22,7 +22,6 @@ from fusion_pass.nvfp4.checks import (
     check_global_scale,
     check_row_range,
     check_tensor,
-    check_x,
     is_concrete,
 )
 from fusion_pass.nvfp4.layout import GLOBAL_SCALE_MAX
@@ -273,19 +272,6 @@ def check_scale_value(fn: str, global_scale: Tensor, validate_values) -> None:
         assert_on_device(ok.eq(global_scale).reshape(()),
                          f"{fn}: global_scale must be positive and finite and at most {GLOBAL_SCALE_MAX!r} "
                          f"{_DEVICE_NOTE}")
-
-
-def check_rows_into_args(fn: str, x, global_scale, packed, scales, row_start, validate_values) -> None:
-    """:func:`fusion_pass.nvfp4.checks.check_rows_into` with the global scale's value as ``validate_values``
-    says (checked last)."""
-    for name, t in (("x", x), ("packed", packed)):
-        check_tensor(fn, name, t)
-    if x.dim() != 2:
-        raise ArgumentError(f"{fn}: x must be a 2-D tensor [M, K] (got shape {list(x.shape)})")
-    check_x(fn, x, global_scale, check_value=False)
-    m, k = x.shape
-    check_row_range(fn, packed, scales, row_start, m, k, x.device)
-    check_scale_value(fn, global_scale, validate_values)
 
 
 def check_softmax_scale(fn: str, softmax_scale) -> None:

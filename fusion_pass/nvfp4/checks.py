@@ -98,13 +98,14 @@ def check_swizzled_buffer(fn: str, scales, rows: int, k: int) -> None:
         raise ArgumentError(f"{fn}: scales must be contiguous (got strides {list(scales.stride())})")
 
 
-def check_rows_into(fn: str, x, global_scale, packed, scales, row_start) -> None:
-    """Every argument of :func:`quantize_rows_into`; raises before anything is written."""
+def check_rows_into(fn: str, x, global_scale, packed, scales, row_start, *, check_value: bool = True) -> None:
+    """Every argument of :func:`quantize_rows_into`; raises before anything is written. ``check_value=False``
+    leaves the global scale's value to the caller (its type, dtype, shape and device are checked)."""
     for name, t in (("x", x), ("packed", packed)):
         check_tensor(fn, name, t)
     if x.dim() != 2:
         raise ArgumentError(f"{fn}: x must be a 2-D tensor [M, K] (got shape {list(x.shape)})")
-    check_x(fn, x, global_scale)
+    check_x(fn, x, global_scale, check_value=check_value)
     m, k = x.shape
     check_row_range(fn, packed, scales, row_start, m, k, x.device)
 

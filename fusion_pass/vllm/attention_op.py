@@ -38,7 +38,6 @@ same quant op the unfused graph calls (``_C::scaled_fp4_quant.out`` where vLLM h
 
 import functools
 import logging
-import os
 
 import torch
 
@@ -56,26 +55,11 @@ _lib = None  # the torch.library.Library holding the ops (their lifetime is the 
 run_fused = fused_rows.run_fused  # module attributes, so that tests and benchmarks can wrap them
 quant_op = fused_rows.quant_op
 
-_ENVIRONMENT = (settings.BACKEND_ENV, settings.CONTEXT_WORKSPACE_ENV, settings.SELF_CHECK_ENV)
-_checked_environment = None
-# os.environ's own dict (encoded keys): three lookups in it cost a fraction of three os.environ.get
-_environ_data = getattr(os.environ, "_data", None)
-_environ_keys = tuple(os.environ.encodekey(name) for name in _ENVIRONMENT) if _environ_data is not None else None
-
-
 def _check_environment() -> None:
-    """:func:`fusion_pass.runtime.settings.check_environment` whenever the variables differ from the last values
-    checked (a bad value raises at every check, as the runtime's ops do; a good one is parsed once). The op checks
-    at the first call of each step (and at every call without metadata)."""
-    global _checked_environment
-    if _environ_data is not None:
-        a, b, c = _environ_keys
-        raw = (_environ_data.get(a), _environ_data.get(b), _environ_data.get(c))
-    else:
-        raw = tuple(os.environ.get(name) for name in _ENVIRONMENT)
-    if raw != _checked_environment:
-        settings.check_environment()
-        _checked_environment = raw
+    """:func:`fusion_pass.runtime.settings.check_environment` (a bad value raises at every check, as the runtime's
+    ops do; a good one is parsed once per value). The op checks at the first call of each step (and at every call
+    without metadata)."""
+    settings.check_environment()
 
 
 _forward_context_module = None  # vllm.forward_context, imported at the first call

@@ -266,12 +266,8 @@ def decide(layer_name, q, md, layer, kv_cache=None) -> guard.Decision:
     """
     if md is None:
         return _NO_METADATA
-    dcp = _dcp if _dcp is not None else dcp_world_size()
-    if dcp == 1:  # the call of most steps, decided from the metadata's ints
-        decode_only = decode_only_tokens(md)
-        if decode_only is not None:
-            return _decode_only(decode_only)
-    return decide_rows(layer_name, q, md, layer, kv_cache)
+    decision = decode_only_decision(md)  # the call of most steps, decided from the metadata's ints
+    return decision if decision is not None else decide_rows(layer_name, q, md, layer, kv_cache)
 
 
 def decide_rows(layer_name, q, md, layer, kv_cache=None) -> guard.Decision:

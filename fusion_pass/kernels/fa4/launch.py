@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from fusion_pass import nvfp4
 from fusion_pass.kernels.checks import zero_nvfp4_scale_padding
 from fusion_pass.kernels.fa4 import common
 from fusion_pass.nvfp4 import ArgumentError
@@ -51,10 +52,7 @@ class ScalePadding:
         if found is None:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return None
-            r = torch.arange(128, device=device).view(128, 1, 1)
-            tile = torch.arange(col_tiles, device=device).view(1, col_tiles, 1)
-            j = torch.arange(4, device=device).view(1, 1, 4)
-            index = (tile * 512 + (r % 32) * 16 + (r // 32) * 4 + j).reshape(-1)
+            index = nvfp4.row_scale_offsets(0, 128, col_tiles * 4, device)  # the first band's bytes, row by row
             found = self._suffixes[key] = [index[r0 * col_tiles * 4:] for r0 in range(128)]
         return found
 

@@ -15,11 +15,13 @@ calls pick, at most once per class.
 count, its tile steps, the shared-memory budget; the arithmetic of FA4's own ``sm90_config_search.py``,
 restated with the pipeline depth as a parameter) and what the NVFP4 epilogue needs (``Dv`` fills
 ``tile_hdimv``; every epilogue thread owns whole 16-element blocks of a row). FA4's register budget
-(:func:`accumulator_registers`) only narrows the sweep's :func:`candidates`: FA4's own default for D=96 is over it.
+(:func:`accumulator_registers`) bounds the sweep's :func:`candidates` only (a test checks them against it): FA4's
+own default for D=96 is over it.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 __all__ = [
@@ -62,9 +64,7 @@ def seqlen_class(max_seqlen: int, max_seqlen_k: int | None = None) -> int:
     """Index into :data:`SEQLEN_CLASSES` of a call whose longest query sequence is ``max_seqlen`` and longest key
     sequence ``max_seqlen_k`` (``None``: the queries' own): the longer of the two decides."""
     n = max_seqlen if max_seqlen_k is None or max_seqlen_k < max_seqlen else max_seqlen_k
-    if n <= 512:
-        return 0 if n <= 128 else 1
-    return 2 if n <= 2048 else 3
+    return bisect.bisect_left(SEQLEN_BOUNDS, n)
 
 
 def fa4_default(head_dim: int, head_dim_v: int, causal: bool) -> Sm90Config:
