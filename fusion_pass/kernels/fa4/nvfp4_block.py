@@ -7,8 +7,9 @@ rounded to nearest even; ``inv = gs / sf``; codes rounded to nearest even and sa
 block becomes 8 zero bytes and the scale byte ``0x7F``), and :func:`store_block` writes them: the packed
 codes as one 8-byte store into ``[T, H*Dv/2]``, the scale byte at its 128x4-swizzled offset.
 
-The e2m1 rounding has two implementations with the same results: :func:`e2m1_code`, integer and float32
-arithmetic that runs on every generation (SM90 has no FP4 conversion), and :func:`e2m1x8_native`, the
+The e2m1 rounding has two implementations with the same results: :func:`e2m1_nibble`, one magic float add per
+element (the arithmetic of the Triton quantizer's ``nvfp4_math.e2m1_nibble``, whose bytes are tested at every e2m1
+tie on the H200) that runs on every generation (SM90 has no FP4 conversion), and :func:`e2m1x8_native`, the
 ``cvt.rn.satfinite.e2m1x2.f32`` instruction of SM100 and later. ``native`` selects one at compile time.
 The SM90 kernel (``sm90_kernel.py``) and the SM100 kernel (``sm100_kernel.py``) both call
 :func:`quantize_block` and :func:`store_block`; the software path runs byte-exact on the H200
@@ -24,7 +25,7 @@ from cutlass import Float32, Uint8, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-__all__ = ["BLOCK", "e2m1_code", "e2m1x8_native", "e4m3_byte", "e4m3_round", "quantize_block", "scale_offset",
+__all__ = ["BLOCK", "e2m1_code", "e2m1_nibble", "e2m1x8_native", "e4m3_byte", "e4m3_round", "quantize_block", "scale_offset",
            "store_block"]
 
 BLOCK = 16
@@ -66,19 +67,29 @@ def e4m3_byte(sf: Float32) -> Uint32:
 
 
 @cute.jit
-def e2m1_code(q: Float32) -> Uint32:
-    """float32 -> e2m1 code (sign bit 3), round to nearest even, saturating at 6 (any generation)."""
+def e2m1_nibble(q: Float32) -> Uint32:
+    """float32 -> e2m1 code (sign bit 3) in bits 0-3, round to nearest even, saturating at 6 (any generation);
+    bits 4-7 are zero, bits 8 and up are not part of the result.
+
+    ``t = a + M`` with ``a = min(|q|, 6)`` and a magic ``M`` whose float32 ulp is the e2m1 step of ``a``'s range
+    (0.5 below 2, 1 up to 4, 2 above): ``M = 2^22``, ``2^23 + 2`` or ``2^24 + 8``, plus 8 ulps when ``q`` is
+    negative. The float adder rounds ``a`` to that step (round to nearest even: the offsets are even, so the
+    parity of ``t``'s low mantissa bits is the rounded step count's) and ``t``'s low bits are the code: ``2a``
+    below 2, ``a + 2`` up to 4, ``a / 2 + 4`` above, ``+ 8`` for the sign. The range is the exponent of
+    ``a * a + 11.75`` (130 below about 2.06, 131 below 4.5, 132 up to 6); near the range edges both steps round
+    alike (``a`` in ``[1.75, 2.25]`` with 0.5 and 1, in ``[3.5, 4.5]`` with 1 and 2), so that product's own
+    rounding does not matter. No comparison, select or conversion per element."""
     b = _f32_bits(q)
-    a = _bits_f32(b & Uint32(0x7FFFFFFF))
-    if a > Float32(6.0):
-        a = Float32(6.0)
-    ab = _f32_bits(a)
-    # [1, 6]: keep one mantissa bit (RNE on the 22 dropped bits); codes 2..7 from exponent|mantissa
-    idx = ((ab + Uint32(0x1FFFFF) + ((ab >> 22) & Uint32(1))) >> 22) - Uint32(252)
-    if a < Float32(1.0):
-        # [0, 1): multiples of 0.5, rounded by the float32 adder
-        idx = Uint32(((a + Float32(4194304.0)) - Float32(4194304.0)) * Float32(2.0))
-    return idx | ((b >> 31) << 3)
+    a = min(_bits_f32(b & Uint32(0x7FFFFFFF)), Float32(6.0))
+    band = (_f32_bits(a * a + Float32(11.75)) >> Uint32(23)) - Uint32(130)
+    magic = Uint32(0x4A800000) + band * Uint32(0x800002) + (b >> Uint32(31)) * Uint32(8)
+    return _f32_bits(a + _bits_f32(magic))
+
+
+@cute.jit
+def e2m1_code(q: Float32) -> Uint32:
+    """float32 -> e2m1 code (sign bit 3, bits 4 and up zero): :func:`e2m1_nibble` masked."""
+    return e2m1_nibble(q) & Uint32(0xF)
 
 
 @dsl_user_op
@@ -125,10 +136,10 @@ def quantize_block(x: cute.Tensor, gs: Float32, native: cutlass.Constexpr[bool])
     if cutlass.const_expr(native):
         lo = e2m1x8_native(*[x[j] * inv for j in range(8)])
         hi = e2m1x8_native(*[x[j + 8] * inv for j in range(8)])
-    else:
+    else:  # element j ends in bits 4j..4j+3: each code enters at the top of a funnel shift right by 4
         for j in cutlass.range_constexpr(8):
-            lo = lo | (e2m1_code(x[j] * inv) << (4 * j))
-            hi = hi | (e2m1_code(x[j + 8] * inv) << (4 * j))
+            lo = (lo >> Uint32(4)) | (e2m1_nibble(x[j] * inv) << Uint32(28))
+            hi = (hi >> Uint32(4)) | (e2m1_nibble(x[j + 8] * inv) << Uint32(28))
     sf_byte = e4m3_byte(sf)
     if is_nan:  # docs/nvfp4.md "NaN and infinity": codes 0, scale byte 0x7F
         lo = Uint32(0)
