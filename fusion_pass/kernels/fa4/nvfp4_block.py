@@ -1,8 +1,8 @@
 """The device code both FA4 NVFP4 epilogues share (CuTe DSL; imports ``cutlass``).
 
 One NVFP4 block is 16 consecutive elements of one output row held by one thread. :func:`quantize_block`
-turns them into 8 packed bytes and a scale byte following docs/nvfp4.md exactly (``amax`` from the
-float32 bit patterns, so a NaN is detected in the same reduction; ``sf = e4m3(min(gs * amax / 6, 448))``
+turns them into 8 packed bytes and a scale byte following docs/nvfp4.md exactly (``amax`` by a NaN-propagating
+maximum, so a NaN is detected in the same reduction; ``sf = e4m3(min(gs * amax / 6, 448))``
 rounded to nearest even; ``inv = gs / sf``; codes rounded to nearest even and saturated at 6; a NaN
 block becomes 8 zero bytes and the scale byte ``0x7F``), and :func:`store_block` writes them: the packed
 codes as one 8-byte store into ``[T, H*Dv/2]``, the scale byte at its 128x4-swizzled offset.
@@ -42,6 +42,27 @@ def _bits_f32(x, *, loc=None, ip=None):
     return Float32(llvm.bitcast(T.f32(), Uint32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
+@dsl_user_op
+def _abs(x, *, loc=None, ip=None) -> Float32:
+    """``|x|`` as a float operation (``abs.f32``), which ptxas folds into the instruction that reads it."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "abs.f32 $0, $1;", "=f,f",
+                                   loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _max_abs_nan(acc, x, *, loc=None, ip=None) -> Float32:
+    """``max(acc, |x|)`` that is NaN when either is (``max.NaN.f32``, SM80 and later): a block's amax and its NaN
+    test in one reduction, one instruction per element."""
+    return Float32(llvm.inline_asm(
+        T.f32(),
+        [Float32(acc).ir_value(loc=loc, ip=ip), Float32(x).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .f32 a;\n\tabs.f32 a, $2;\n\tmax.NaN.f32 $0, $1, a;\n\t}",
+        "=f,f,f",
+        loc=loc,
+        ip=ip,
+    ))
+
+
 @cute.jit
 def e4m3_round(v: Float32) -> Float32:
     """``v`` in ``[0, 448]`` -> the nearest float8_e4m3fn value (ties to even), as float32."""
@@ -79,11 +100,16 @@ def e2m1_nibble(q: Float32) -> Uint32:
     ``a * a + 11.75`` (130 below about 2.06, 131 below 4.5, 132 up to 6); near the range edges both steps round
     alike (``a`` in ``[1.75, 2.25]`` with 0.5 and 1, in ``[3.5, 4.5]`` with 1 and 2), so that product's own
     rounding does not matter. No comparison, select or conversion per element."""
-    b = _f32_bits(q)
-    a = min(_bits_f32(b & Uint32(0x7FFFFFFF)), Float32(6.0))
+    return _e2m1_magnitude(q) | ((_f32_bits(q) >> Uint32(28)) & Uint32(8))
+
+
+@cute.jit
+def _e2m1_magnitude(q: Float32) -> Uint32:
+    """:func:`e2m1_nibble` of ``|q|``: bit 3 clear, the sign left to the caller (:func:`quantize_block` takes it
+    from ``q``'s bit 31 when it packs)."""
+    a = min(_abs(q), Float32(6.0))
     band = (_f32_bits(a * a + Float32(11.75)) >> Uint32(23)) - Uint32(130)
-    magic = Uint32(0x4A800000) + band * Uint32(0x800002) + (b >> Uint32(31)) * Uint32(8)
-    return _f32_bits(a + _bits_f32(magic))
+    return _f32_bits(a + _bits_f32(Uint32(0x4A800000) + band * Uint32(0x800002)))
 
 
 @cute.jit
@@ -120,11 +146,10 @@ def quantize_block(x: cute.Tensor, gs: Float32, native: cutlass.Constexpr[bool])
 
     Returns ``(packed, sf_byte)``: a Uint64 with element ``j``'s code in bits ``4j .. 4j+3`` (docs/nvfp4.md
     "Packing", little-endian bytes) and the Uint32 e4m3 scale byte."""
-    amax_bits = Uint32(0)
+    amax = Float32(0.0)
     for j in cutlass.range_constexpr(BLOCK):
-        amax_bits = max(amax_bits, _f32_bits(x[j]) & Uint32(0x7FFFFFFF))
-    is_nan = amax_bits > Uint32(0x7F800000)
-    amax = _bits_f32(amax_bits)
+        amax = _max_abs_nan(amax, x[j])
+    is_nan = amax != amax
     if is_nan:
         amax = Float32(0.0)
     sf = e4m3_round(min(gs * amax / Float32(6.0), Float32(448.0)))
@@ -136,10 +161,12 @@ def quantize_block(x: cute.Tensor, gs: Float32, native: cutlass.Constexpr[bool])
     if cutlass.const_expr(native):
         lo = e2m1x8_native(*[x[j] * inv for j in range(8)])
         hi = e2m1x8_native(*[x[j + 8] * inv for j in range(8)])
-    else:  # element j ends in bits 4j..4j+3: each code enters at the top of a funnel shift right by 4
+    else:  # element j ends in bits 4j..4j+3: each code enters at the top of a funnel shift right by 4, where
+        # bit 3 of the code is bit 31: the sign bit of x[j] * inv, taken as it is
         for j in cutlass.range_constexpr(8):
-            lo = (lo >> Uint32(4)) | (e2m1_nibble(x[j] * inv) << Uint32(28))
-            hi = (hi >> Uint32(4)) | (e2m1_nibble(x[j + 8] * inv) << Uint32(28))
+            q_lo, q_hi = x[j] * inv, x[j + 8] * inv
+            lo = (lo >> Uint32(4)) | (_e2m1_magnitude(q_lo) << Uint32(28)) | (_f32_bits(q_lo) & Uint32(0x80000000))
+            hi = (hi >> Uint32(4)) | (_e2m1_magnitude(q_hi) << Uint32(28)) | (_f32_bits(q_hi) & Uint32(0x80000000))
     sf_byte = e4m3_byte(sf)
     if is_nan:  # docs/nvfp4.md "NaN and infinity": codes 0, scale byte 0x7F
         lo = Uint32(0)
