@@ -7,8 +7,8 @@ rounded to nearest even; ``inv = gs / sf``; codes rounded to nearest even and sa
 block becomes 8 zero bytes and the scale byte ``0x7F``), and :func:`store_block` writes them: the packed
 codes as one 8-byte store into ``[T, H*Dv/2]``, the scale byte at its 128x4-swizzled offset.
 
-The e2m1 rounding has two implementations with the same results: :func:`e2m1_nibble`, one magic float add per
-element (the arithmetic of the Triton quantizer's ``nvfp4_math.e2m1_nibble``, whose bytes are tested at every e2m1
+The e2m1 rounding has two implementations with the same results: :func:`e2m1_magnitude`, one magic float add
+per element (the arithmetic of the Triton quantizer's ``nvfp4_math.e2m1_nibble``, whose bytes are tested at every e2m1
 tie on the H200) that runs on every generation (SM90 has no FP4 conversion), and :func:`e2m1x8_native`, the
 ``cvt.rn.satfinite.e2m1x2.f32`` instruction of SM100 and later. ``native`` selects one at compile time.
 The SM90 kernel (``sm90_kernel.py``) and the SM100 kernel (``sm100_kernel.py``) both call
@@ -25,7 +25,7 @@ from cutlass import Float32, Uint8, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-__all__ = ["BLOCK", "e2m1_code", "e2m1_nibble", "e2m1x8_native", "e4m3_byte", "e4m3_round", "quantize_block", "scale_offset",
+__all__ = ["BLOCK", "e2m1_magnitude", "e2m1x8_native", "e4m3_byte", "e4m3_round", "quantize_block", "scale_offset",
            "store_block"]
 
 BLOCK = 16
@@ -88,34 +88,21 @@ def e4m3_byte(sf: Float32) -> Uint32:
 
 
 @cute.jit
-def e2m1_nibble(q: Float32) -> Uint32:
-    """float32 -> e2m1 code (sign bit 3) in bits 0-3, round to nearest even, saturating at 6 (any generation);
-    bits 4-7 are zero, bits 8 and up are not part of the result.
+def e2m1_magnitude(q: Float32) -> Uint32:
+    """float32 -> the e2m1 code of ``|q|`` (0..7: round to nearest even, saturating at 6) in bits 0-3, bit 3
+    clear; bits 4-7 are zero, bits 8 and up are not part of the result; the sign is the caller's (any generation).
 
     ``t = a + M`` with ``a = min(|q|, 6)`` and a magic ``M`` whose float32 ulp is the e2m1 step of ``a``'s range
-    (0.5 below 2, 1 up to 4, 2 above): ``M = 2^22``, ``2^23 + 2`` or ``2^24 + 8``, plus 8 ulps when ``q`` is
-    negative. The float adder rounds ``a`` to that step (round to nearest even: the offsets are even, so the
-    parity of ``t``'s low mantissa bits is the rounded step count's) and ``t``'s low bits are the code: ``2a``
-    below 2, ``a + 2`` up to 4, ``a / 2 + 4`` above, ``+ 8`` for the sign. The range is the exponent of
-    ``a * a + 11.75`` (130 below about 2.06, 131 below 4.5, 132 up to 6); near the range edges both steps round
-    alike (``a`` in ``[1.75, 2.25]`` with 0.5 and 1, in ``[3.5, 4.5]`` with 1 and 2), so that product's own
-    rounding does not matter. No comparison, select or conversion per element."""
-    return _e2m1_magnitude(q) | ((_f32_bits(q) >> Uint32(28)) & Uint32(8))
-
-
-@cute.jit
-def _e2m1_magnitude(q: Float32) -> Uint32:
-    """:func:`e2m1_nibble` of ``|q|``: bit 3 clear, the sign left to the caller (:func:`quantize_block` takes it
-    from ``q``'s bit 31 when it packs)."""
+    (0.5 below 2, 1 up to 4, 2 above): ``M = 2^22``, ``2^23 + 2`` or ``2^24 + 8``. The float adder rounds ``a``
+    to that step (round to nearest even: the offsets are even, so the parity of ``t``'s low mantissa bits is the
+    rounded step count's) and ``t``'s low bits are the code: ``2a`` below 2, ``a + 2`` up to 4, ``a / 2 + 4``
+    above. The range is the exponent of ``a * a + 11.75`` (130 below about 2.06, 131 below 4.5, 132 up to 6);
+    near the range edges both steps round alike (``a`` in ``[1.75, 2.25]`` with 0.5 and 1, in ``[3.5, 4.5]``
+    with 1 and 2), so that product's own rounding does not matter. The Triton quantizer's
+    ``nvfp4_math.e2m1_nibble`` does the same. No comparison, select or conversion per element."""
     a = min(_abs(q), Float32(6.0))
     band = (_f32_bits(a * a + Float32(11.75)) >> Uint32(23)) - Uint32(130)
     return _f32_bits(a + _bits_f32(Uint32(0x4A800000) + band * Uint32(0x800002)))
-
-
-@cute.jit
-def e2m1_code(q: Float32) -> Uint32:
-    """float32 -> e2m1 code (sign bit 3, bits 4 and up zero): :func:`e2m1_nibble` masked."""
-    return e2m1_nibble(q) & Uint32(0xF)
 
 
 @dsl_user_op
@@ -165,8 +152,8 @@ def quantize_block(x: cute.Tensor, gs: Float32, native: cutlass.Constexpr[bool])
         # bit 3 of the code is bit 31: the sign bit of x[j] * inv, taken as it is
         for j in cutlass.range_constexpr(8):
             q_lo, q_hi = x[j] * inv, x[j + 8] * inv
-            lo = (lo >> Uint32(4)) | (_e2m1_magnitude(q_lo) << Uint32(28)) | (_f32_bits(q_lo) & Uint32(0x80000000))
-            hi = (hi >> Uint32(4)) | (_e2m1_magnitude(q_hi) << Uint32(28)) | (_f32_bits(q_hi) & Uint32(0x80000000))
+            lo = (lo >> Uint32(4)) | (e2m1_magnitude(q_lo) << Uint32(28)) | (_f32_bits(q_lo) & Uint32(0x80000000))
+            hi = (hi >> Uint32(4)) | (e2m1_magnitude(q_hi) << Uint32(28)) | (_f32_bits(q_hi) & Uint32(0x80000000))
     sf_byte = e4m3_byte(sf)
     if is_nan:  # docs/nvfp4.md "NaN and infinity": codes 0, scale byte 0x7F
         lo = Uint32(0)
