@@ -12,7 +12,7 @@ per element (the arithmetic of the Triton quantizer's ``nvfp4_math.e2m1_nibble``
 tie on the H200) that runs on every generation (SM90 has no FP4 conversion), and :func:`e2m1x8_native`, the
 ``cvt.rn.satfinite.e2m1x2.f32`` instruction of SM100 and later. ``native`` selects one at compile time.
 The SM90 kernel (``sm90_kernel.py``) and the SM100 kernel (``sm100_kernel.py``) both call
-:func:`quantize_block` and :func:`store_block`; the software path runs byte-exact on the H200
+:func:`quantize_block` and :func:`store_block`; the software path's bytes are tested on an SM90 GPU
 (``tests/kernels/test_fa4_block.py``), the native instruction only on SM100 hardware (the run-time
 self-check covers it there).
 """
@@ -99,7 +99,8 @@ def e2m1_magnitude(q: Float32) -> Uint32:
     above. The range is the exponent of ``a * a + 11.75`` (130 below about 2.06, 131 below 4.5, 132 up to 6);
     near the range edges both steps round alike (``a`` in ``[1.75, 2.25]`` with 0.5 and 1, in ``[3.5, 4.5]``
     with 1 and 2), so that product's own rounding does not matter. The Triton quantizer's
-    ``nvfp4_math.e2m1_nibble`` does the same. No comparison, select or conversion per element."""
+    ``nvfp4_math.e2m1_nibble`` rounds the same way (and adds the sign as 8 more ulps of ``M``, where
+    :func:`quantize_block` merges it at packing). No comparison, select or conversion per element."""
     a = min(_abs(q), Float32(6.0))
     band = (_f32_bits(a * a + Float32(11.75)) >> Uint32(23)) - Uint32(130)
     return _f32_bits(a + _bits_f32(Uint32(0x4A800000) + band * Uint32(0x800002)))
