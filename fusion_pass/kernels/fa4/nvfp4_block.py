@@ -2,8 +2,8 @@
 
 One NVFP4 block is 16 consecutive elements of one output row held by one thread. :func:`quantize_block`
 turns them into 8 packed bytes and a scale byte following docs/nvfp4.md exactly (``amax`` by a NaN-propagating
-maximum, so a NaN is detected in the same reduction; ``sf = e4m3(min(gs * amax / 6, 448))``
-rounded to nearest even; ``inv = gs / sf``; codes rounded to nearest even and saturated at 6; a NaN
+maximum, so a NaN is detected in the same reduction; ``sf = e4m3(min(gs * amax / 6, 448))`` rounded to nearest
+even by the hardware's conversion; ``inv = gs / sf``; codes rounded to nearest even and saturated at 6; a NaN
 block becomes 8 zero bytes and the scale byte ``0x7F``), and :func:`store_block` writes them: the packed
 codes as one 8-byte store into ``[T, H*Dv/2]``, the scale byte at its 128x4-swizzled offset.
 
@@ -25,7 +25,7 @@ from cutlass import Float32, Uint8, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-__all__ = ["BLOCK", "e2m1_magnitude", "e2m1x8_native", "e4m3_byte", "e4m3_round", "quantize_block", "scale_offset",
+__all__ = ["BLOCK", "e2m1_magnitude", "e2m1x8_native", "e4m3_scale", "quantize_block", "scale_offset",
            "store_block"]
 
 BLOCK = 16
@@ -63,28 +63,29 @@ def _max_abs_nan(acc, x, *, loc=None, ip=None) -> Float32:
     ))
 
 
-@cute.jit
-def e4m3_round(v: Float32) -> Float32:
-    """``v`` in ``[0, 448]`` -> the nearest float8_e4m3fn value (ties to even), as float32."""
-    b = _f32_bits(v)
-    # normal range: keep 3 mantissa bits, round to nearest even on the 20 dropped bits
-    normal = _bits_f32((b + Uint32(0x7FFFF) + ((b >> 20) & Uint32(1))) & Uint32(0xFFF00000))
-    # subnormal range (< 2^-6): multiples of 2^-9, rounded by the float32 adder
-    sub = (v + Float32(16384.0)) - Float32(16384.0)
-    res = normal
-    if v < Float32(0.015625):
-        res = sub
-    return res
-
-
-@cute.jit
-def e4m3_byte(sf: Float32) -> Uint32:
-    """An exact float8_e4m3fn value in ``[0, 448]`` -> its byte."""
-    b = _f32_bits(sf)
-    res = (((b >> 23) - Uint32(120)) << 3) | ((b >> 20) & Uint32(7))
-    if sf < Float32(0.015625):
-        res = Uint32(sf * Float32(512.0))
-    return res
+@dsl_user_op
+def e4m3_scale(v, *, loc=None, ip=None):
+    """``v`` in ``[0, 448]`` -> ``(sf, byte)``: the nearest float8_e4m3fn value (ties to even) as float32, and its
+    byte. One ``cvt.rn.satfinite.e4m3x2.f32`` (SM89 and later: SM90 and SM100 both have it; the Triton quantizer
+    rounds its block scales with the same instruction), then the byte widened back to float32 exactly."""
+    word = Uint32(llvm.inline_asm(
+        T.i32(),
+        [Float32(v).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 h;\n\tcvt.rn.satfinite.e4m3x2.f32 h, $1, $1;\n\tcvt.u32.u16 $0, h;\n\t}",
+        "=r,f",
+        loc=loc,
+        ip=ip,
+    ))
+    sf = Float32(llvm.inline_asm(
+        T.f32(),
+        [word.ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 l, a, b;\n\t.reg .b32 hh;\n\tcvt.u16.u32 l, $1;\n\t"
+        "cvt.rn.f16x2.e4m3x2 hh, l;\n\tmov.b32 {a, b}, hh;\n\tcvt.f32.f16 $0, a;\n\t}",
+        "=f,r",
+        loc=loc,
+        ip=ip,
+    ))
+    return sf, word & Uint32(0xFF)
 
 
 @cute.jit
@@ -140,7 +141,7 @@ def quantize_block(x: cute.Tensor, gs: Float32, native: cutlass.Constexpr[bool])
     is_nan = amax != amax
     if is_nan:
         amax = Float32(0.0)
-    sf = e4m3_round(min(gs * amax / Float32(6.0), Float32(448.0)))
+    sf, sf_byte = e4m3_scale(min(gs * amax / Float32(6.0), Float32(448.0)))
     inv = Float32(0.0)
     if sf != Float32(0.0):
         inv = gs / sf
@@ -155,7 +156,6 @@ def quantize_block(x: cute.Tensor, gs: Float32, native: cutlass.Constexpr[bool])
             q_lo, q_hi = x[j] * inv, x[j + 8] * inv
             lo = (lo >> Uint32(4)) | (e2m1_magnitude(q_lo) << Uint32(28)) | (_f32_bits(q_lo) & Uint32(0x80000000))
             hi = (hi >> Uint32(4)) | (e2m1_magnitude(q_hi) << Uint32(28)) | (_f32_bits(q_hi) & Uint32(0x80000000))
-    sf_byte = e4m3_byte(sf)
     if is_nan:  # docs/nvfp4.md "NaN and infinity": codes 0, scale byte 0x7F
         lo = Uint32(0)
         hi = Uint32(0)
