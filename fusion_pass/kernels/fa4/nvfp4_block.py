@@ -1,17 +1,18 @@
 """The device code both FA4 NVFP4 epilogues share (CuTe DSL; imports ``cutlass``).
 
 One NVFP4 block is 16 consecutive elements of one output row held by one thread. :func:`quantize_block`
-turns them into 8 packed bytes and a scale byte following docs/nvfp4.md exactly (``amax`` from the
-float32 bit patterns, so a NaN is detected in the same reduction; ``sf = e4m3(min(gs * amax / 6, 448))``
-rounded to nearest even; ``inv = gs / sf``; codes rounded to nearest even and saturated at 6; a NaN
+turns them into 8 packed bytes and a scale byte following docs/nvfp4.md exactly (``amax`` by a NaN-propagating
+maximum, so a NaN is detected in the same reduction; ``sf = e4m3(min(gs * amax / 6, 448))`` rounded to nearest
+even by the hardware's conversion; ``inv = gs / sf``; codes rounded to nearest even and saturated at 6; a NaN
 block becomes 8 zero bytes and the scale byte ``0x7F``), and :func:`store_block` writes them: the packed
 codes as one 8-byte store into ``[T, H*Dv/2]``, the scale byte at its 128x4-swizzled offset.
 
-The e2m1 rounding has two implementations with the same results: :func:`e2m1_code`, integer and float32
-arithmetic that runs on every generation (SM90 has no FP4 conversion), and :func:`e2m1x8_native`, the
+The e2m1 rounding has two implementations with the same results: :func:`e2m1_magnitude`, one magic float add
+per element (the arithmetic of the Triton quantizer's ``nvfp4_math.e2m1_nibble``, whose bytes are tested at every e2m1
+tie on the H200) that runs on every generation (SM90 has no FP4 conversion), and :func:`e2m1x8_native`, the
 ``cvt.rn.satfinite.e2m1x2.f32`` instruction of SM100 and later. ``native`` selects one at compile time.
 The SM90 kernel (``sm90_kernel.py``) and the SM100 kernel (``sm100_kernel.py``) both call
-:func:`quantize_block` and :func:`store_block`; the software path runs byte-exact on the H200
+:func:`quantize_block` and :func:`store_block`; the software path's bytes are tested on an SM90 GPU
 (``tests/kernels/test_fa4_block.py``), the native instruction only on SM100 hardware (the run-time
 self-check covers it there).
 """
@@ -24,7 +25,7 @@ from cutlass import Float32, Uint8, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-__all__ = ["BLOCK", "e2m1_code", "e2m1x8_native", "e4m3_byte", "e4m3_round", "quantize_block", "scale_offset",
+__all__ = ["BLOCK", "e2m1_magnitude", "e2m1x8_native", "e4m3_scale", "quantize_block", "scale_offset",
            "store_block"]
 
 BLOCK = 16
@@ -41,44 +42,69 @@ def _bits_f32(x, *, loc=None, ip=None):
     return Float32(llvm.bitcast(T.f32(), Uint32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-@cute.jit
-def e4m3_round(v: Float32) -> Float32:
-    """``v`` in ``[0, 448]`` -> the nearest float8_e4m3fn value (ties to even), as float32."""
-    b = _f32_bits(v)
-    # normal range: keep 3 mantissa bits, round to nearest even on the 20 dropped bits
-    normal = _bits_f32((b + Uint32(0x7FFFF) + ((b >> 20) & Uint32(1))) & Uint32(0xFFF00000))
-    # subnormal range (< 2^-6): multiples of 2^-9, rounded by the float32 adder
-    sub = (v + Float32(16384.0)) - Float32(16384.0)
-    res = normal
-    if v < Float32(0.015625):
-        res = sub
-    return res
+@dsl_user_op
+def _abs(x, *, loc=None, ip=None) -> Float32:
+    """``|x|`` as a float operation (``abs.f32``), which ptxas folds into the instruction that reads it."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "abs.f32 $0, $1;", "=f,f",
+                                   loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _max_abs_nan(acc, x, *, loc=None, ip=None) -> Float32:
+    """``max(acc, |x|)`` that is NaN when either is (``max.NaN.f32``, SM80 and later): a block's amax and its NaN
+    test in one reduction, one instruction per element."""
+    return Float32(llvm.inline_asm(
+        T.f32(),
+        [Float32(acc).ir_value(loc=loc, ip=ip), Float32(x).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .f32 a;\n\tabs.f32 a, $2;\n\tmax.NaN.f32 $0, $1, a;\n\t}",
+        "=f,f,f",
+        loc=loc,
+        ip=ip,
+    ))
+
+
+@dsl_user_op
+def e4m3_scale(v, *, loc=None, ip=None):
+    """``v`` in ``[0, 448]`` -> ``(sf, byte)``: the nearest float8_e4m3fn value (ties to even) as float32, and its
+    byte. One ``cvt.rn.satfinite.e4m3x2.f32`` (SM89 and later: SM90 and SM100 both have it; the Triton quantizer
+    rounds its block scales with the same instruction), then the byte widened back to float32 exactly."""
+    word = Uint32(llvm.inline_asm(
+        T.i32(),
+        [Float32(v).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 h;\n\tcvt.rn.satfinite.e4m3x2.f32 h, $1, $1;\n\tcvt.u32.u16 $0, h;\n\t}",
+        "=r,f",
+        loc=loc,
+        ip=ip,
+    ))
+    sf = Float32(llvm.inline_asm(
+        T.f32(),
+        [word.ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 l, a, b;\n\t.reg .b32 hh;\n\tcvt.u16.u32 l, $1;\n\t"
+        "cvt.rn.f16x2.e4m3x2 hh, l;\n\tmov.b32 {a, b}, hh;\n\tcvt.f32.f16 $0, a;\n\t}",
+        "=f,r",
+        loc=loc,
+        ip=ip,
+    ))
+    return sf, word & Uint32(0xFF)
 
 
 @cute.jit
-def e4m3_byte(sf: Float32) -> Uint32:
-    """An exact float8_e4m3fn value in ``[0, 448]`` -> its byte."""
-    b = _f32_bits(sf)
-    res = (((b >> 23) - Uint32(120)) << 3) | ((b >> 20) & Uint32(7))
-    if sf < Float32(0.015625):
-        res = Uint32(sf * Float32(512.0))
-    return res
+def e2m1_magnitude(q: Float32) -> Uint32:
+    """float32 -> the e2m1 code of ``|q|`` (0..7: round to nearest even, saturating at 6) in bits 0-3, bit 3
+    clear; bits 4-7 are zero, bits 8 and up are not part of the result; the sign is the caller's (any generation).
 
-
-@cute.jit
-def e2m1_code(q: Float32) -> Uint32:
-    """float32 -> e2m1 code (sign bit 3), round to nearest even, saturating at 6 (any generation)."""
-    b = _f32_bits(q)
-    a = _bits_f32(b & Uint32(0x7FFFFFFF))
-    if a > Float32(6.0):
-        a = Float32(6.0)
-    ab = _f32_bits(a)
-    # [1, 6]: keep one mantissa bit (RNE on the 22 dropped bits); codes 2..7 from exponent|mantissa
-    idx = ((ab + Uint32(0x1FFFFF) + ((ab >> 22) & Uint32(1))) >> 22) - Uint32(252)
-    if a < Float32(1.0):
-        # [0, 1): multiples of 0.5, rounded by the float32 adder
-        idx = Uint32(((a + Float32(4194304.0)) - Float32(4194304.0)) * Float32(2.0))
-    return idx | ((b >> 31) << 3)
+    ``t = a + M`` with ``a = min(|q|, 6)`` and a magic ``M`` whose float32 ulp is the e2m1 step of ``a``'s range
+    (0.5 below 2, 1 up to 4, 2 above): ``M = 2^22``, ``2^23 + 2`` or ``2^24 + 8``. The float adder rounds ``a``
+    to that step (round to nearest even: the offsets are even, so the parity of ``t``'s low mantissa bits is the
+    rounded step count's) and ``t``'s low bits are the code: ``2a`` below 2, ``a + 2`` up to 4, ``a / 2 + 4``
+    above. The range is the exponent of ``a * a + 11.75`` (130 below about 2.06, 131 below 4.5, 132 up to 6);
+    near the range edges both steps round alike (``a`` in ``[1.75, 2.25]`` with 0.5 and 1, in ``[3.5, 4.5]``
+    with 1 and 2), so that product's own rounding does not matter. The Triton quantizer's
+    ``nvfp4_math.e2m1_nibble`` rounds the same way (and adds the sign as 8 more ulps of ``M``, where
+    :func:`quantize_block` merges it at packing). No comparison, select or conversion per element."""
+    a = min(_abs(q), Float32(6.0))
+    band = (_f32_bits(a * a + Float32(11.75)) >> Uint32(23)) - Uint32(130)
+    return _f32_bits(a + _bits_f32(Uint32(0x4A800000) + band * Uint32(0x800002)))
 
 
 @dsl_user_op
@@ -109,14 +135,13 @@ def quantize_block(x: cute.Tensor, gs: Float32, native: cutlass.Constexpr[bool])
 
     Returns ``(packed, sf_byte)``: a Uint64 with element ``j``'s code in bits ``4j .. 4j+3`` (docs/nvfp4.md
     "Packing", little-endian bytes) and the Uint32 e4m3 scale byte."""
-    amax_bits = Uint32(0)
+    amax = Float32(0.0)
     for j in cutlass.range_constexpr(BLOCK):
-        amax_bits = max(amax_bits, _f32_bits(x[j]) & Uint32(0x7FFFFFFF))
-    is_nan = amax_bits > Uint32(0x7F800000)
-    amax = _bits_f32(amax_bits)
+        amax = _max_abs_nan(amax, x[j])
+    is_nan = amax != amax
     if is_nan:
         amax = Float32(0.0)
-    sf = e4m3_round(min(gs * amax / Float32(6.0), Float32(448.0)))
+    sf, sf_byte = e4m3_scale(min(gs * amax / Float32(6.0), Float32(448.0)))
     inv = Float32(0.0)
     if sf != Float32(0.0):
         inv = gs / sf
@@ -125,11 +150,12 @@ def quantize_block(x: cute.Tensor, gs: Float32, native: cutlass.Constexpr[bool])
     if cutlass.const_expr(native):
         lo = e2m1x8_native(*[x[j] * inv for j in range(8)])
         hi = e2m1x8_native(*[x[j + 8] * inv for j in range(8)])
-    else:
+    else:  # element j ends in bits 4j..4j+3: each code enters at the top of a funnel shift right by 4, where
+        # bit 3 of the code is bit 31: the sign bit of x[j] * inv, taken as it is
         for j in cutlass.range_constexpr(8):
-            lo = lo | (e2m1_code(x[j] * inv) << (4 * j))
-            hi = hi | (e2m1_code(x[j + 8] * inv) << (4 * j))
-    sf_byte = e4m3_byte(sf)
+            q_lo, q_hi = x[j] * inv, x[j + 8] * inv
+            lo = (lo >> Uint32(4)) | (e2m1_magnitude(q_lo) << Uint32(28)) | (_f32_bits(q_lo) & Uint32(0x80000000))
+            hi = (hi >> Uint32(4)) | (e2m1_magnitude(q_hi) << Uint32(28)) | (_f32_bits(q_hi) & Uint32(0x80000000))
     if is_nan:  # docs/nvfp4.md "NaN and infinity": codes 0, scale byte 0x7F
         lo = Uint32(0)
         hi = Uint32(0)

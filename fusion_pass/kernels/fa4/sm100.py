@@ -47,7 +47,7 @@ __all__ = [
     "kernel_config",
 ]
 
-KERNEL_VERSION = "fusion_pass.fa4_sm100_nvfp4/1"
+KERNEL_VERSION = "fusion_pass.fa4_sm100_nvfp4/2"
 """First element of the compile-cache key; bump it whenever ``sm100_kernel.py`` or ``nvfp4_block.py`` changes."""
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))

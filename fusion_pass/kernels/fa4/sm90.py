@@ -63,7 +63,7 @@ __all__ = [
     "launchers",
 ]
 
-KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/4"
+KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/5"
 """First element of the compile-cache key; bump it whenever ``sm90_kernel.py`` or ``nvfp4_block.py`` changes."""
 
 TWIN_VERSION = "fusion_pass.fa4_sm90_twin/1"
