@@ -235,8 +235,9 @@ def _run_dump(args: argparse.Namespace) -> int:
 def _run_backends() -> int:
     from fusion_pass.runtime.backends import list_backends
     from fusion_pass.runtime.self_check import self_check_results
-    from fusion_pass.runtime.settings import (BACKEND_ENV, CONTEXT_WORKSPACE_ENV, SELF_CHECK_ENV, configured_backend,
-                                              context_workspace_tokens, self_check_mode)
+    from fusion_pass.runtime.settings import (BACKEND_ENV, CONTEXT_WORKSPACE_ENV, SELF_CHECK_ENV, SPLIT_MIXED_ENV,
+                                              configured_backend, context_workspace_tokens, self_check_mode,
+                                              split_mixed)
 
     from fusion_pass.runtime.backends.selection import default_device
 
@@ -254,7 +255,8 @@ def _run_backends() -> int:
     try:
         print(f"\nchoice: {configured_backend()} ({BACKEND_ENV}); context workspace bound: "
               f"{context_workspace_tokens()} tokens ({CONTEXT_WORKSPACE_ENV}); self-check: {self_check_mode()} "
-              f"({SELF_CHECK_ENV}; fusion-pass selftest runs the checks now)")
+              f"({SELF_CHECK_ENV}; fusion-pass selftest runs the checks now); vLLM standard layers split mixed "
+              f"calls: {split_mixed()} ({SPLIT_MIXED_ENV})")
         for result in self_check_results():
             print(f"  self-check {result.describe()}")
     except ValueError as exc:

@@ -23,21 +23,24 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def clean_backend_state(monkeypatch):
-    """No backend pinned (environment or set_backend), the default context workspace bound and self-check mode,
-    no self-check results, zeroed guard counters; restored after."""
+    """No backend pinned (environment or set_backend), the default context workspace bound, self-check mode and
+    split mode, no self-check results, zeroed guard counters; restored after."""
     from fusion_pass.runtime import counters, self_check, settings
 
     monkeypatch.delenv(settings.BACKEND_ENV, raising=False)
     monkeypatch.delenv(settings.CONTEXT_WORKSPACE_ENV, raising=False)
     monkeypatch.delenv(settings.SELF_CHECK_ENV, raising=False)
+    monkeypatch.delenv(settings.SPLIT_MIXED_ENV, raising=False)
     previous = settings.set_backend(None)
     previous_workspace = settings.set_context_workspace_tokens(None)
     previous_self_check = settings.set_self_check(None)
+    previous_split = settings.set_split_mixed(None)
     counters.reset_counters()
     self_check.forget_self_checks()
     yield
     settings.set_backend(previous)
     settings.set_context_workspace_tokens(previous_workspace)
     settings.set_self_check(previous_self_check)
+    settings.set_split_mixed(previous_split)
     counters.reset_counters()
     self_check.forget_self_checks()

@@ -84,15 +84,17 @@ def engine_models(models, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def runs(request, engine_models, tmp_path_factory):
     """(name, run with the pass, run without it); standard-attention models also with multiprocessing on (the
-    pass's run-time counters from its worker's report file: ``mp``)."""
+    pass's run-time counters from its worker's report file: ``mp``), and with their mixed calls split
+    (``FUSION_PASS_VLLM_SPLIT_MIXED=on``; the default, off, is run by the retargeting test below)."""
     name = request.param
+    split = {"FUSION_PASS_VLLM_SPLIT_MIXED": "on"} if name in STANDARD else {}  # mixed calls fused (default: off)
     out = {}
     for with_pass in (True, False):
         tmp = tmp_path_factory.mktemp(f"{name}_{'pass' if with_pass else 'plain'}")
-        out[with_pass] = run_engine(tmp, spec(name, engine_models, with_pass))
+        out[with_pass] = run_engine(tmp, spec(name, engine_models, with_pass), **split)
     if name in STANDARD:
         tmp = tmp_path_factory.mktemp(f"{name}_pass_mp")
-        out[True]["mp"] = run_engine(tmp / "run", spec(name, engine_models, True), multiprocessing=True,
+        out[True]["mp"] = run_engine(tmp / "run", spec(name, engine_models, True), multiprocessing=True, **split,
                                      FUSION_PASS_DUMP=str(tmp / "dump"),
                                      FUSION_PASS_VLLM_IMPORT="nvfp4_test_quant,unit_norm_dummy")
         out[True]["mp"]["reports"] = [json.loads(p.read_text())
@@ -294,5 +296,10 @@ def test_graphs_vllms_own_fusion_rewrote_are_retargeted_to_the_fused_call(engine
     counters = result["counters"]
     assert counters["fused"] > 0 and counters["fallback"].get("decode_tokens", 0) > 0
     plain = run_engine(tmp_path / "plain", spec(name, engine_models, False))
-    check_against_plain_run(result, plain)
+    kinds = check_against_plain_run(result, plain)  # mixed calls not split: the exact fallback, every byte equal
+    if name in STANDARD:  # the default: a standard layer's mixed call is not split
+        mixed = [c for step in result["steps"] for c in step["calls"] if c["decode"] and c.get("query_lens")]
+        assert mixed and all(c["reason"] == "mixed_not_split" for c in mixed), mixed
+        assert counters["fallback"]["mixed_not_split"] > 0 and "mixed_not_split" in kinds
+        assert "attention + NVFP4 quant fell back (mixed_not_split)" in result["log"]
     assert check_shadows(result) == counters["fused"]

@@ -19,6 +19,15 @@ from standard_batches import (GS, HK, D, H, K, StandInLayer, batch, buffers, ref
 CPU = ADAPTERS["CPU_ATTN"]
 
 
+@pytest.fixture(autouse=True)
+def _split_mixed_calls():
+    """The tests below exercise the split of a mixed call (decode rows by vLLM's backend on a sub-batch beside the
+    fused prefill rows), which is off by default: on here; the default is tested by
+    ``test_guard_does_not_split_a_mixed_call_by_default``."""
+    with settings.use_split_mixed("on"):
+        yield
+
+
 @pytest.mark.parametrize("block_size,isa", [(32, None), (64, None), (32, "vec"), (16, "vec16")])
 def test_cpu_cache_read_back_in_the_backends_layout(block_size, isa):
     """Every cached position of every request, read through the learned layout, equals what was written."""
@@ -109,6 +118,47 @@ def test_guard_fuses_every_prefill_row_of_standard_layers_beside_decodes_and_con
     _, decode_inputs, decode_md, decode_cache, _ = batch([(1, 40), (1, 7)])
     decision = guard.decide("stand_in.attn", decode_inputs[0], decode_md, layer, decode_cache)
     assert (decision.reason, decision.prefill_tokens, decision.post_quantized) == ("decode_tokens", 0, {"decode_tokens": 2})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_guard_does_not_split_a_mixed_call_by_default(monkeypatch, seed):
+    """Generated batches of decode requests, prefills and prefills with context, in vLLM's request order: with the
+    split off (the default: no setting, no environment variable) a call with decode and prefill rows takes the exact
+    fallback whole (``mixed_not_split``, every row counted), a call of prefills alone is fused, a call of decodes
+    alone falls back as before; with the split on the same mixed call is fused beside its decode rows."""
+    monkeypatch.delenv(settings.SPLIT_MIXED_ENV, raising=False)
+    gen = torch.Generator().manual_seed(seed)
+    layer = _standard_guard_layer()
+    for _ in range(4):
+        n = int(torch.randint(1, 7, (1,), generator=gen))
+        requests = []
+        for _ in range(n):
+            kind = int(torch.randint(0, 3, (1,), generator=gen))
+            context = int(torch.randint(1, 60, (1,), generator=gen))
+            requests.append((1, context) if kind == 0 else (int(torch.randint(2, 12, (1,), generator=gen)),
+                                                            0 if kind == 1 else context))
+        _, inputs, md, kv_cache, _ = batch(requests)
+        decode = sum(q for q, _ in requests if q == 1)
+        prefill = sum(q for q, _ in requests if q > 1)
+        with settings.use_split_mixed(None):
+            default = guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
+        if decode and prefill:
+            assert (default.path, default.reason, default.fused_tokens) == ("fallback", "mixed_not_split", 0), requests
+            assert default.post_quantized == {"mixed_not_split": decode + prefill} and default.prefill_tokens == prefill
+            assert f"{decode} decode token(s) beside {prefill} prefill token(s)" in default.detail
+            assert settings.SPLIT_MIXED_ENV in default.detail
+        elif prefill:
+            assert (default.path, default.fused_tokens, default.post_quantized) == ("fused", prefill, {}), requests
+        else:
+            assert (default.reason, default.post_quantized) == ("decode_tokens", {"decode_tokens": decode}), requests
+        _, inputs, md, kv_cache, _ = batch(requests)  # a new step: a step's decision is kept for its later calls
+        with settings.use_split_mixed("on"):
+            split = guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
+        if prefill:
+            assert (split.path, split.fused_tokens) == ("fused", prefill), requests
+            assert split.post_quantized == ({"decode_tokens": decode} if decode else {}), requests
+        else:
+            assert split == default
 
 
 def test_guard_names_a_backend_without_adapter():

@@ -5,7 +5,7 @@
 * :mod:`.mla`, :mod:`.standard`: the MLA and MHA/GQA runtimes with their KV caches (:mod:`.cache`);
 * :mod:`.attention_call`: one call: :mod:`.guard` decision -> :mod:`.row_plan` -> :mod:`.backends` -> kernels;
 * :mod:`.counters`: what the guard decided, counted (``counters.counters()``); :mod:`.settings`: backend choice,
-  context workspace bound, self-check mode; :mod:`.self_check`: the first-use self-check of a fused kernel.
+  context workspace bound, self-check mode, vLLM standard layers' mixed-call split; :mod:`.self_check`: the first-use self-check of a fused kernel.
 """
 
 from fusion_pass.kernels.reference import dense_attention, merge_attention
@@ -28,9 +28,12 @@ from fusion_pass.runtime.settings import (
     set_backend,
     set_context_workspace_tokens,
     set_self_check,
+    set_split_mixed,
+    split_mixed,
     use_backend,
     use_context_workspace_tokens,
     use_self_check,
+    use_split_mixed,
 )
 from fusion_pass.runtime.standard import AttentionImpl
 
@@ -56,9 +59,12 @@ __all__ = [
     "set_backend",
     "set_context_workspace_tokens",
     "set_self_check",
+    "set_split_mixed",
     "snapshot_kv_caches",
+    "split_mixed",
     "unregister_layer",
     "use_backend",
     "use_context_workspace_tokens",
     "use_self_check",
+    "use_split_mixed",
 ]

@@ -33,6 +33,7 @@ FALLBACK_REASONS = (
     "cuda_graph_capture",
     "layer_not_supported",
     "no_decode_adapter",
+    "mixed_not_split",
     "no_backend",
     "no_fast_backend",
     "self_check_failed",
@@ -46,7 +47,8 @@ rows of a mixed batch whose prefill rows are fused; ``no_attention_metadata`` (v
 ``cuda_graph_capture`` (a call being captured into a CUDA graph takes the fallback, which needs no decision),
 ``layer_not_supported`` (what vLLM's layer computes beyond plain causal attention) and ``no_decode_adapter``
 (a standard layer on a vLLM attention backend without an adapter; counted as ``no_decode_adapter:<BACKEND>``)
-come from the vLLM adapter; ``no_fast_backend``: a backend could run the layer, but ``auto`` takes only one this project
+and ``mixed_not_split`` (a standard layer's call with decode and prefill rows, not split into two calls:
+:data:`fusion_pass.runtime.settings.SPLIT_MIXED_MODES`) come from the vLLM adapter; ``no_fast_backend``: a backend could run the layer, but ``auto`` takes only one this project
 measured faster than the unfused path on the device's GPU generation (name one to run it anyway);
 ``self_check_failed``: the backend's kernel differed from its unfused twin on the first-use canary and is
 disabled for the process; ``self_check_pending``: the canary has not run yet and cannot run now (a CUDA graph is

@@ -1,5 +1,5 @@
-"""The run time's settings: which fused backend serves a layer, the context workspace bound, and which fused
-kernels are self-checked before their first use.
+"""The run time's settings: which fused backend serves a layer, the context workspace bound, which fused
+kernels are self-checked before their first use, and whether a vLLM standard layer splits a mixed call.
 
 Each setting is read, in order of precedence, from:
 
@@ -9,7 +9,8 @@ Each setting is read, in order of precedence, from:
    ``use_*(None)`` lets the environment decide inside the block, ignoring ``set_*``;
 2. ``set_*(value)``: the process-wide value, seen by every thread without a ``use_*`` block of its own;
    ``set_*(None)`` goes back to the environment;
-3. the environment variable (:data:`BACKEND_ENV`, :data:`CONTEXT_WORKSPACE_ENV`, :data:`SELF_CHECK_ENV`);
+3. the environment variable (:data:`BACKEND_ENV`, :data:`CONTEXT_WORKSPACE_ENV`, :data:`SELF_CHECK_ENV`,
+   :data:`SPLIT_MIXED_ENV`);
 4. the default.
 
 A bad value raises ValueError naming its source before anything else happens: ``set_*`` / ``use_*`` when
@@ -32,6 +33,8 @@ __all__ = [
     "DEFAULT_CONTEXT_WORKSPACE_TOKENS",
     "SELF_CHECK_ENV",
     "SELF_CHECK_MODES",
+    "SPLIT_MIXED_ENV",
+    "SPLIT_MIXED_MODES",
     "check_environment",
     "configured_backend",
     "context_workspace_tokens",
@@ -39,9 +42,12 @@ __all__ = [
     "self_check_mode",
     "set_context_workspace_tokens",
     "set_self_check",
+    "set_split_mixed",
+    "split_mixed",
     "use_backend",
     "use_context_workspace_tokens",
     "use_self_check",
+    "use_split_mixed",
 ]
 
 T = TypeVar("T")
@@ -64,6 +70,18 @@ SELF_CHECK_ENV = "FUSION_PASS_SELF_CHECK"
 SELF_CHECK_MODES = ("auto", "all", "off")
 """``auto``: kernels this project never ran on hardware (SM100); ``all``: every fused kernel that offers a
 self-check; ``off``: none (docs/blackwell.md)."""
+
+SPLIT_MIXED_ENV = "FUSION_PASS_VLLM_SPLIT_MIXED"
+"""Environment variable choosing whether a vLLM standard layer splits a mixed call (one of
+:data:`SPLIT_MIXED_MODES`)."""
+
+SPLIT_MIXED_MODES = ("off", "on")
+"""What a vLLM standard (non-MLA) layer does with a call holding decode rows and prefill rows. ``off`` (the
+default): the whole call takes the exact fallback, reason ``mixed_not_split``. ``on``: the call is split, vLLM's
+backend computing the decode rows on their sub-batch beside one fused call for the prefill rows. vLLM's standard
+backends compute every row in one launch; the split adds an attention launch and a quantizer launch, which on
+the H200 cost more GPU time than fusing the prefill rows saves (docs/benchmarks.md, "GPU time per step"). An MLA
+layer is not affected: vLLM's MLA layer computes its decode and prefill rows apart itself."""
 
 _UNSET: Any = object()
 _ENVIRONMENT: Any = object()  # use_*(None): the environment decides, ignoring set_*
@@ -138,7 +156,15 @@ def _self_check_mode(value: Any, source: str) -> str:
     return mode
 
 
+def _split_mixed_mode(value: Any, source: str) -> str:
+    mode = value.strip().lower() if isinstance(value, str) else value
+    if mode not in SPLIT_MIXED_MODES:
+        raise ValueError(f"{source}={value!r} is not a split mode; choose one of {', '.join(SPLIT_MIXED_MODES)}")
+    return mode
+
+
 _backend = _Setting("backend", BACKEND_ENV, "auto", _backend_choice)
+_split_mixed = _Setting("split_mixed", SPLIT_MIXED_ENV, "off", _split_mixed_mode)
 _self_check = _Setting("self_check", SELF_CHECK_ENV, "auto", _self_check_mode)
 _workspace = _Setting("workspace", CONTEXT_WORKSPACE_ENV, DEFAULT_CONTEXT_WORKSPACE_TOKENS, _token_count)
 
@@ -197,6 +223,23 @@ def use_self_check(mode: str | None):
     return _self_check.use(mode, "use_self_check(mode)")
 
 
+def split_mixed() -> str:
+    """Whether a vLLM standard layer splits a call with decode and prefill rows (:data:`SPLIT_MIXED_MODES`;
+    default ``off``)."""
+    return _split_mixed.get()
+
+
+def set_split_mixed(mode: str | None) -> str | None:
+    """Set the process-wide split mode (``None``: back to the environment / ``off``); returns the previous
+    setting."""
+    return _split_mixed.set(mode, "set_split_mixed(mode)")
+
+
+def use_split_mixed(mode: str | None):
+    """The split mode inside the ``with`` block, for the calling thread / task only. Nestable."""
+    return _split_mixed.use(mode, "use_split_mixed(mode)")
+
+
 def check_token_count(source: str, tokens: Any) -> int:
     """``tokens`` as a positive int, else ValueError naming ``source``."""
     return _token_count(tokens, source)
@@ -207,3 +250,4 @@ def check_environment() -> None:
     _backend.from_environment()
     _workspace.from_environment()
     _self_check.from_environment()
+    _split_mixed.from_environment()

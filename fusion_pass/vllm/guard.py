@@ -14,9 +14,11 @@ exact fallback, which needs no decision: a graph replays for batches the capture
 What vLLM adds to the core's checks: no metadata (vLLM's profile and dummy runs, ``no_attention_metadata``), no
 host copy of the batch (``no_host_metadata``), capture (``cuda_graph_capture``), what the layer computes beyond
 plain causal attention (``layer_not_supported``), a standard layer's backend without an adapter
-(``no_decode_adapter:<BACKEND>``), and what an adapter cannot compute apart: decode rows (``decode_tokens``: an
-MLA ``forward_impl`` without the decode/prefill split, a standard backend's metadata the adapter cannot cut to
-its decode requests) and cached context (``chunked_prefill``: a cache the adapter cannot read).
+(``no_decode_adapter:<BACKEND>``), a standard layer's call with decode and prefill rows while splitting is off
+(``mixed_not_split``, the default: :data:`fusion_pass.runtime.settings.SPLIT_MIXED_MODES`), and what an adapter
+cannot compute apart: decode rows (``decode_tokens``: an MLA ``forward_impl`` without the decode/prefill split, a
+standard backend's metadata the adapter cannot cut to its decode requests) and cached context
+(``chunked_prefill``: a cache the adapter cannot read).
 """
 
 import functools
@@ -25,7 +27,7 @@ import weakref
 
 import torch
 
-from fusion_pass.runtime import guard
+from fusion_pass.runtime import guard, settings
 from fusion_pass.vllm import adapters
 from fusion_pass.vllm.host_rows import decode_only_tokens, mla_rows, standard_rows
 
@@ -312,6 +314,11 @@ def _decide(layer_name, q, md, layer, kv_cache, info: LayerInfo, batch: guard.Ba
         return guard.Decision.fallback(
             f"no_decode_adapter:{info.backend}", f"vLLM attention backend {info.backend} has no adapter (its decode "
             f"sub-batch and paged KV cache): adapters exist for {', '.join(adapters.ADAPTERS)}", prefill, tokens)
+    elif batch.decode_tokens and settings.split_mixed() == "off":
+        return guard.Decision.fallback(
+            "mixed_not_split", f"{batch.decode_tokens} decode token(s) beside {prefill} prefill token(s): fusing the "
+            f"prefill rows would split the call in two, which costs more than fusion saves ({settings.SPLIT_MIXED_ENV}"
+            f"=on splits it)", prefill, tokens)
     else:
         decode_refusal = info.adapter.decode_refusal(layer, md) if batch.decode_tokens else None
         context_refusal = info.adapter.context_refusal(layer, kv_cache) if with_context else None

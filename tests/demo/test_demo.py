@@ -190,7 +190,8 @@ def test_cli_dump_and_backends(tmp_path, capsys, clean_backend_state):
     assert [line.split()[0] for line in lines[:3]] == ["fa4", "triton", "reference"]
     assert lines[-1] == ("choice: auto (FUSION_PASS_BACKEND); context workspace bound: 65536 tokens "
                          "(FUSION_PASS_CONTEXT_WORKSPACE_TOKENS); self-check: auto (FUSION_PASS_SELF_CHECK; "
-                         "fusion-pass selftest runs the checks now)")
+                         "fusion-pass selftest runs the checks now); vLLM standard layers split mixed calls: off "
+                         "(FUSION_PASS_VLLM_SPLIT_MIXED)")
 
 
 def test_cli_backends_names_a_bad_workspace_setting(capsys, monkeypatch):
@@ -201,6 +202,10 @@ def test_cli_backends_names_a_bad_workspace_setting(capsys, monkeypatch):
     monkeypatch.setenv("FUSION_PASS_SELF_CHECK", "never")
     assert cli.main(["backends"]) == 1
     assert "FUSION_PASS_SELF_CHECK='never' is not a self-check mode; choose one of auto, all, off" in capsys.readouterr().err
+    monkeypatch.delenv("FUSION_PASS_SELF_CHECK")
+    monkeypatch.setenv("FUSION_PASS_VLLM_SPLIT_MIXED", "yes")
+    assert cli.main(["backends"]) == 1
+    assert "FUSION_PASS_VLLM_SPLIT_MIXED='yes' is not a split mode; choose one of off, on" in capsys.readouterr().err
 
 
 def test_cli_help_and_bad_arguments(capsys):

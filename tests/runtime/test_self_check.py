@@ -153,6 +153,25 @@ def test_self_check_mode_setting_and_environment(monkeypatch):
         settings.set_self_check(1)
 
 
+def test_split_mixed_setting_and_environment(monkeypatch):
+    assert settings.split_mixed() == "off"
+    monkeypatch.setenv(settings.SPLIT_MIXED_ENV, " On ")
+    assert settings.split_mixed() == "on"
+    with settings.use_split_mixed("off"):
+        assert settings.split_mixed() == "off"
+        with settings.use_split_mixed(None):  # the environment decides inside
+            assert settings.split_mixed() == "on"
+    settings.set_split_mixed("off")
+    assert settings.split_mixed() == "off"
+    settings.set_split_mixed(None)
+    monkeypatch.setenv(settings.SPLIT_MIXED_ENV, "sometimes")
+    with pytest.raises(ValueError, match=r"FUSION_PASS_VLLM_SPLIT_MIXED='sometimes' .* off, on"):
+        settings.check_environment()
+    with pytest.raises(ValueError, match=r"use_split_mixed\(mode\)=True"):
+        with settings.use_split_mixed(True):
+            pass
+
+
 # ------------------------------------------------------------------ the FA4 canary's comparison (CPU stand-ins)
 
 

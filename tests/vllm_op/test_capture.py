@@ -86,12 +86,15 @@ def test_the_decision_reads_no_device_tensor_of_the_metadata():
         torch.ones(1, device="meta").tolist()
     layer, cache = standard_layer("meta.attn"), kv_cache("meta")
     q = torch.empty(16, H, D, dtype=torch.bfloat16, device="meta")
-    cases = [(device_metadata([1, 1, 1], [5, 9, 40], "meta"), "decode_tokens", 0, 3),
-             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "meta"), None, 13, 15),
-             (device_metadata([1, 1], [5, 9], "meta", host=False), "decode_tokens", 0, 2),
-             (device_metadata([1, 6], [5, 0], "meta", host=False), "no_host_metadata", 0, 7)]
-    for md, reason, prefill, tokens in cases:
-        decision = guard.decide("meta.attn", q, md, layer, cache)
+    cases = [(device_metadata([1, 1, 1], [5, 9, 40], "meta"), "off", "decode_tokens", 0, 3),
+             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "meta"), "off", "mixed_not_split", 13, 15),
+             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "meta"), "on", None, 13, 15),
+             (device_metadata([6, 7], [0, 12], "meta"), "off", None, 13, 13),
+             (device_metadata([1, 1], [5, 9], "meta", host=False), "off", "decode_tokens", 0, 2),
+             (device_metadata([1, 6], [5, 0], "meta", host=False), "off", "no_host_metadata", 0, 7)]
+    for md, split, reason, prefill, tokens in cases:
+        with settings.use_split_mixed(split):
+            decision = guard.decide("meta.attn", q, md, layer, cache)
         if reason is not None:
             assert decision.reason == reason, decision
         else:  # no fused backend runs on the meta device: the guard core's reason, after every row was read
@@ -182,18 +185,21 @@ def test_the_decision_reads_no_device_tensor():
     q = torch.zeros(16, H, D, dtype=torch.bfloat16, device="cuda")
     guard.decide("capture.attn", q, device_metadata([6, 1], [0, 9], "cuda"), layer, cache)  # backend detection
     torch.cuda.synchronize()
-    cases = [(device_metadata([1, 1, 1], [5, 9, 40], "cuda"), "decode_tokens"),         # decode-only, host copies
-             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "cuda"), None),             # mixed + context
-             (device_metadata([1, 1], [5, 9], "cuda", host=False), "decode_tokens"),    # no host copies
-             (device_metadata([1, 6], [5, 0], "cuda", host=False), "no_host_metadata")]
-    for md, reason in cases:
-        decision = no_sync(guard.decide, "capture.attn", q, md, layer, cache)
+    cases = [(device_metadata([1, 1, 1], [5, 9, 40], "cuda"), "off", "decode_tokens"),  # decode-only, host copies
+             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "cuda"), "off", "mixed_not_split"),  # mixed, not split
+             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "cuda"), "on", None),       # mixed + context, split
+             (device_metadata([1, 1], [5, 9], "cuda", host=False), "off", "decode_tokens"),  # no host copies
+             (device_metadata([1, 6], [5, 0], "cuda", host=False), "off", "no_host_metadata")]
+    for md, split, reason in cases:
+        with settings.use_split_mixed(split):
+            decision = no_sync(guard.decide, "capture.attn", q, md, layer, cache)
         if reason is not None:
             assert decision.reason == reason, decision
         else:  # fused where a fused backend is picked here (fa4 on an H200 with FA4 installed), else its reason
             assert decision.fused or decision.reason in ("no_backend", "no_fast_backend"), decision
             print("mixed batch with context:", decision.path, decision.reason, decision.backend)
-    with settings.use_backend("triton"):  # a backend named explicitly runs wherever it works: a fused decision
+    with settings.use_backend("triton"), settings.use_split_mixed("on"):  # a backend named explicitly runs
+        # wherever it works: a fused decision
         guard.decide("capture.attn", q, device_metadata([6, 1], [0, 9], "cuda"), layer, cache)
         torch.cuda.synchronize()
         decision = no_sync(guard.decide, "capture.attn", q, device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "cuda"),
