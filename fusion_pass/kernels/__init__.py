@@ -3,6 +3,7 @@
 * :mod:`.api`: the validated public entry points (:func:`attention`, :func:`attention_nvfp4`,
   :func:`attention_with_lse`, :func:`quantize`, :func:`quantize_rows_into`, :func:`merge_attention_nvfp4`);
 * :mod:`.launchers`: the same kernels unvalidated, for the run time's backends (no host synchronization);
+* :mod:`.host_copy`: host integers to a device tensor without blocking the host;
 * :mod:`.choice`: which implementation serves a call (``backend=``: ``auto``, ``fa4``, ``triton``, ``reference``);
 * :mod:`.reference`: the PyTorch oracle (float32 attention with its log-sum-exp, the LSE merge);
 * :mod:`.triton`: Triton kernels (flash attention with bf16 / NVFP4 epilogues, the quantizer, the merge);

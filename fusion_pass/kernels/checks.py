@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from fusion_pass import nvfp4
+from fusion_pass.kernels.host_copy import to_device
 from fusion_pass.nvfp4.checks import (
     ArgumentError,
     check_global_scale,
@@ -145,16 +146,9 @@ def assert_on_device(ok: Tensor, message: str) -> None:
         raise ArgumentError(message) from None
 
 
-def _on_device(rows: list[list[int]], device: torch.device) -> Tensor:
-    """int32 ``rows`` on ``device`` without blocking the host (through pinned memory to CUDA)."""
-    if device.type == "cpu":
-        return torch.tensor(rows, dtype=torch.int32)
-    return torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
-
-
 def _within(values: Tensor, lower: list[int], upper: list[int]) -> Tensor:
     """One-element bool tensor: every element of int32 ``values`` lies in ``[lower[i], upper[i]]`` (no read)."""
-    bounds = _on_device([lower, upper], values.device)
+    bounds = to_device([lower, upper], torch.int32, values.device)
     return values.clamp(bounds[0], bounds[1]).eq(values).all()
 
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from fusion_pass import nvfp4
 from fusion_pass.kernels import launchers
+from fusion_pass.kernels.host_copy import to_device
 from fusion_pass.kernels.reference import merge_attention
 from fusion_pass.nvfp4.checks import is_int
 from fusion_pass.runtime.backends.base import fuses
@@ -84,15 +85,13 @@ def _rows(spec: Any, requests: list, device) -> Tensor:
 
 
 def _cu(lengths: list[int], device, first: int = 0) -> Tensor:
-    """Offsets ``[first, first + l0, ...]`` int32 on ``device``; to a CUDA device through pinned memory, without
-    blocking the host (a pageable host-to-device copy would synchronize)."""
+    """Offsets ``[first, first + l0, ...]`` int32 on ``device``, without blocking the host
+    (:func:`fusion_pass.kernels.host_copy.to_device`)."""
     out, total = [first], first
     for n in lengths:
         total += n
         out.append(total)
-    if torch.device(device).type != "cuda":
-        return torch.tensor(out, dtype=torch.int32, device=device)
-    return torch.tensor(out, dtype=torch.int32, pin_memory=True).to(device, non_blocking=True)
+    return to_device(out, torch.int32, device)
 
 
 def _interleave(context: Tensor, new: Tensor, context_lens: list[int], query_lens: list[int]) -> Tensor:

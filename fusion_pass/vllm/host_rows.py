@@ -27,6 +27,7 @@ import functools
 
 import torch
 
+from fusion_pass.kernels.host_copy import to_device
 from fusion_pass.runtime import guard
 
 __all__ = ["StepRows", "attach", "decode_only_tokens", "device_index", "install_build_hook", "mla_rows", "request_rows", "requests_index",
@@ -202,10 +203,7 @@ def install_build_hook(builder_cls) -> bool:
 def device_index(values, device) -> torch.Tensor:
     """``values`` (host ints, or a CPU tensor) as an int64 index tensor on ``device``; to a CUDA device through
     pinned memory, without blocking the host (no synchronization)."""
-    index = values.long() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
-    if torch.device(device).type == "cpu":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
+    return to_device(values, torch.long, device)
 
 
 def request_rows(rows, requests, device):

@@ -143,41 +143,37 @@ def _describe(q, d, dv, qhead_per_kvhead, causal, cfg) -> str:
             f"head, causal={causal}, {cfg.describe()}")
 
 
-def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k, config: Sm90Config,
-                         causal):
-    """The compiled fused kernel for these tensors' static properties and ``config`` (compiling on a miss).
+def _compile(cache: str, version: tuple, kernel_class, fused: bool, q, k, v, outputs, cu_seqlens, cu_seqlens_k,
+             config: Sm90Config, causal, what: str):
+    """The compiled kernel of ``kernel_class`` (the fused kernel or the twin) for these tensors' static properties
+    and ``config`` (compiling on a miss), with FA4's constructor arguments and compile options.
 
+    ``outputs(to_cute_tensor)``: the kernel's output arguments, which come after ``q, k, v`` and before
+    ``softmax_scale``.
     ``cu_seqlens_k`` only shapes the compile arguments: the token counts, ``max_seqlen`` and the two offset
     tensors are run-time values, so one compilation serves every call of a layer and configuration.
-
-    Works on real CUDA tensors and, for compile-only checks without a GPU, on fake
-    ``device="cuda"`` tensors under ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_90a``.
-    """
+    Works on real CUDA tensors and, for compile-only checks without a GPU, on fake ``device="cuda"`` tensors
+    under ``FakeTensorMode`` with ``CUTE_DSL_ARCH=sm_90a``."""
     interface = fa4_interface()
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 
-    from fusion_pass.kernels.fa4.sm90_kernel import FlashAttentionForwardSm90Nvfp4
-
     d, dv = q.shape[2], v.shape[2]
-    cfg = _valid(config, d, dv, True)
+    cfg = _valid(config, d, dv, fused)
     qhead_per_kvhead = q.shape[1] // k.shape[1]
     dtype = interface.torch2cute_dtype_map[q.dtype]
-    key = (KERNEL_VERSION, dtype, d, dv, qhead_per_kvhead, causal) + tuple(cfg) + common.layout_key(q.device, q, k, v)
+    key = version + (dtype, d, dv, qhead_per_kvhead, causal) + tuple(cfg) + common.layout_key(q.device, q, k, v)
 
     def build():
-        kernel = _constructor(FlashAttentionForwardSm90Nvfp4, dtype, d, dv, qhead_per_kvhead, causal, cfg)
-        if kernel.tile_hdimv != dv:  # the epilogue assumes Dv fills the tile (no hdim predication)
+        kernel = _constructor(kernel_class, dtype, d, dv, qhead_per_kvhead, causal, cfg)
+        if fused and kernel.tile_hdimv != dv:  # the epilogue assumes Dv fills the tile (no hdim predication)
             raise RuntimeError(f"fa4: unexpected FA4 tile for Dv={dv}: tile_hdimv={kernel.tile_hdimv}")
         return cute.compile(
             kernel,
             to_cute_tensor(q),
             to_cute_tensor(k),
             to_cute_tensor(v),
-            to_cute_tensor(o),
-            to_cute_tensor(output),
-            to_cute_tensor(scale_bytes, leading_dim=0),
-            to_cute_tensor(output_scale, assumed_align=4, leading_dim=0),
+            *outputs(to_cute_tensor),
             0.1,  # softmax_scale: a run-time Float32
             to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0),
             to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0),
@@ -185,47 +181,35 @@ def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqle
             options=interface._compile_options(),
         )
 
-    what = f"the SM90 NVFP4 attention kernel ({_describe(q, d, dv, qhead_per_kvhead, causal, cfg)})"
-    return common.compiled("fusion_pass_fa4_sm90_nvfp4", key, build, what)
+    return common.compiled(cache, key, build, f"{what} ({_describe(q, d, dv, qhead_per_kvhead, causal, cfg)})")
+
+
+def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqlens, cu_seqlens_k, config: Sm90Config,
+                         causal):
+    """The compiled fused kernel for these tensors' static properties and ``config`` (:func:`_compile`)."""
+    from fusion_pass.kernels.fa4.sm90_kernel import FlashAttentionForwardSm90Nvfp4
+
+    def outputs(to_cute_tensor):
+        return (to_cute_tensor(o), to_cute_tensor(output), to_cute_tensor(scale_bytes, leading_dim=0),
+                to_cute_tensor(output_scale, assumed_align=4, leading_dim=0))
+
+    return _compile("fusion_pass_fa4_sm90_nvfp4", (KERNEL_VERSION,), FlashAttentionForwardSm90Nvfp4, True, q, k, v,
+                    outputs, cu_seqlens, cu_seqlens_k, config, causal, "the SM90 NVFP4 attention kernel")
 
 
 def compile_twin_kernel(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, config: Sm90Config, causal):
     """The compiled twin (FA4's SM90 class, FA4's epilogue) for these tensors' static properties and ``config``;
     ``lse``: None or float32 ``[H, T]`` (compiled separately). Same constructor arguments and compile options as
-    :func:`compile_nvfp4_kernel`."""
-    interface = fa4_interface()
-    import cutlass.cute as cute
-    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
-
+    :func:`compile_nvfp4_kernel` (:func:`_compile`)."""
     from fusion_pass.kernels.fa4.sm90_twin import FlashAttentionForwardSm90Twin
 
-    d, dv = q.shape[2], v.shape[2]
-    cfg = _valid(config, d, dv, False)
-    qhead_per_kvhead = q.shape[1] // k.shape[1]
-    dtype = interface.torch2cute_dtype_map[q.dtype]
+    def outputs(to_cute_tensor):
+        return to_cute_tensor(out), None if lse is None else to_cute_tensor(lse, assumed_align=4)
+
     kind = "twin" if lse is None else "twin+lse"
-    key = (TWIN_VERSION, kind, dtype, d, dv, qhead_per_kvhead, causal) + tuple(cfg) \
-        + common.layout_key(q.device, q, k, v)
-
-    def build():
-        kernel = _constructor(FlashAttentionForwardSm90Twin, dtype, d, dv, qhead_per_kvhead, causal, cfg)
-        return cute.compile(
-            kernel,
-            to_cute_tensor(q),
-            to_cute_tensor(k),
-            to_cute_tensor(v),
-            to_cute_tensor(out),
-            None if lse is None else to_cute_tensor(lse, assumed_align=4),
-            0.1,  # softmax_scale: a run-time Float32
-            to_cute_tensor(cu_seqlens, assumed_align=4, leading_dim=0),
-            to_cute_tensor(cu_seqlens_k, assumed_align=4, leading_dim=0),
-            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-            options=interface._compile_options(),
-        )
-
-    what = (f"the SM90 twin (FA4 epilogue{', LSE' if lse is not None else ''}) attention kernel "
-            f"({_describe(q, d, dv, qhead_per_kvhead, causal, cfg)})")
-    return common.compiled("fusion_pass_fa4_sm90_twin", key, build, what)
+    what = f"the SM90 twin (FA4 epilogue{', LSE' if lse is not None else ''}) attention kernel"
+    return _compile("fusion_pass_fa4_sm90_twin", (TWIN_VERSION, kind), FlashAttentionForwardSm90Twin, False, q, k, v,
+                    outputs, cu_seqlens, cu_seqlens_k, config, causal, what)
 
 
 def launchers(config: Sm90Config | None = None) -> tuple[FusedLauncher, TwinLauncher]:
