@@ -169,6 +169,9 @@ def _environment() -> dict:
     env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_DISABLE_COMPILE_CACHE": "1",
                 "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "FUSION_PASS_VLLM_IMPORT": "nvfp4_test_quant",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
+                # Qwen2's mixed steps split and fused, as in the 2026-12-01 measurement (the default does not split
+                # them: mixed_not_split)
+                "FUSION_PASS_VLLM_SPLIT_MIXED": "on",
                 "PYTHONPATH": os.pathsep.join(filter(None, (str(TESTS_VLLM), os.environ.get("PYTHONPATH", ""))))})
     return env
 

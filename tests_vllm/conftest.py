@@ -43,7 +43,14 @@ DSV3 = {
 
 
 def engine_env(multiprocessing: bool, **extra) -> dict:
+    """The engine subprocess's environment: this process's, without the pass's run-time settings (a developer's
+    ``FUSION_PASS_BACKEND`` etc. would change what the tests assert), plus the tests' own and ``extra``."""
+    from fusion_pass.runtime import settings
+
     env = dict(os.environ)
+    for name in (settings.BACKEND_ENV, settings.CONTEXT_WORKSPACE_ENV, settings.SELF_CHECK_ENV,
+                 settings.SPLIT_MIXED_ENV):
+        env.pop(name, None)
     env.update({
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
         "VLLM_DISABLE_COMPILE_CACHE": "1",        # the pass must run on every start (docs/vllm.md):

@@ -300,6 +300,11 @@ def test_graphs_vllms_own_fusion_rewrote_are_retargeted_to_the_fused_call(engine
     if name in STANDARD:  # the default: a standard layer's mixed call is not split
         mixed = [c for step in result["steps"] for c in step["calls"] if c["decode"] and c.get("query_lens")]
         assert mixed and all(c["reason"] == "mixed_not_split" for c in mixed), mixed
+        prefill_only = [c for step in result["steps"] for c in step["calls"] if c.get("query_lens") and not c["decode"]]
+        assert prefill_only and all(c["path"] == "fused" for c in prefill_only), prefill_only
+        tokens = counters["tokens"]
+        assert tokens["post_quantized"]["mixed_not_split"] == sum(c["decode"] + sum(c["query_lens"]) for c in mixed)
+        assert tokens["prefill_fused"] == sum(sum(c["query_lens"]) for c in prefill_only)
         assert counters["fallback"]["mixed_not_split"] > 0 and "mixed_not_split" in kinds
         assert "attention + NVFP4 quant fell back (mixed_not_split)" in result["log"]
     assert check_shadows(result) == counters["fused"]

@@ -5,7 +5,8 @@
 * :mod:`.mla`, :mod:`.standard`: the MLA and MHA/GQA runtimes with their KV caches (:mod:`.cache`);
 * :mod:`.attention_call`: one call: :mod:`.guard` decision -> :mod:`.row_plan` -> :mod:`.backends` -> kernels;
 * :mod:`.counters`: what the guard decided, counted (``counters.counters()``); :mod:`.settings`: backend choice,
-  context workspace bound, self-check mode, vLLM standard layers' mixed-call split; :mod:`.self_check`: the first-use self-check of a fused kernel.
+  context workspace bound, self-check mode, vLLM standard layers' mixed-call split; :mod:`.self_check`: the
+  first-use self-check of a fused kernel.
 """
 
 from fusion_pass.kernels.reference import dense_attention, merge_attention

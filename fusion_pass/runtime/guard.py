@@ -6,7 +6,8 @@ description of the batch (:class:`BatchRows`) and of the layer (:class:`LayerSha
 builds them from its :class:`~fusion_pass.runtime.BatchSpec`, the vLLM adapter from vLLM's attention metadata;
 both get the same reasons (:data:`FALLBACK_REASONS`). The prefill rows run the fused backend
 (:func:`fusion_pass.runtime.backends.select_backend`) whenever one exists for the layer, also beside decode
-rows (a mixed batch) and, where the backend handles cached context, for chunked prefills. Decode rows, and
+rows (a mixed batch; the vLLM adapter refuses that split for a standard layer unless asked,
+``mixed_not_split``) and, where the backend handles cached context, for chunked prefills. Decode rows, and
 every row of a call that cannot be fused, are computed as the unfused graph computes them and post-quantized
 into their rows of the same buffers: byte-identical to the unfused graph.
 
@@ -45,15 +46,16 @@ FALLBACK_REASONS = (
 rows of a mixed batch whose prefill rows are fused; ``no_attention_metadata`` (vLLM's profile and dummy runs),
 ``no_host_metadata`` (vLLM metadata without a host copy of the batch: the adapter never reads device metadata),
 ``cuda_graph_capture`` (a call being captured into a CUDA graph takes the fallback, which needs no decision),
-``layer_not_supported`` (what vLLM's layer computes beyond plain causal attention) and ``no_decode_adapter``
+``layer_not_supported`` (what vLLM's layer computes beyond plain causal attention), ``no_decode_adapter``
 (a standard layer on a vLLM attention backend without an adapter; counted as ``no_decode_adapter:<BACKEND>``)
 and ``mixed_not_split`` (a standard layer's call with decode and prefill rows, not split into two calls:
-:data:`fusion_pass.runtime.settings.SPLIT_MIXED_MODES`) come from the vLLM adapter; ``no_fast_backend``: a backend could run the layer, but ``auto`` takes only one this project
-measured faster than the unfused path on the device's GPU generation (name one to run it anyway);
-``self_check_failed``: the backend's kernel differed from its unfused twin on the first-use canary and is
-disabled for the process; ``self_check_pending``: the canary has not run yet and cannot run now (a CUDA graph is
-being captured) (:mod:`fusion_pass.runtime.self_check`); ``kv_dtype``: keys / values in another dtype than the query, which the selected backend would round
-to the query dtype (its ``kv_dtype`` is not float32)."""
+:data:`fusion_pass.runtime.settings.SPLIT_MIXED_MODES`) come from the vLLM adapter; ``no_fast_backend``: a
+backend could run the layer, but ``auto`` takes only one this project measured faster than the unfused path on
+the device's GPU generation (name one to run it anyway); ``self_check_failed``: the backend's kernel differed
+from its unfused twin on the first-use canary and is disabled for the process; ``self_check_pending``: the
+canary has not run yet and cannot run now (a CUDA graph is being captured) (:mod:`fusion_pass.runtime.self_check`);
+``kv_dtype``: keys / values in another dtype than the query, which the selected backend would round to the query
+dtype (its ``kv_dtype`` is not float32)."""
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ Each setting is read, in order of precedence, from:
 4. the default.
 
 A bad value raises ValueError naming its source before anything else happens: ``set_*`` / ``use_*`` when
-called, an environment variable when first read (:func:`check_environment` reads both at once; the attention
-ops call it before they touch a cache).
+called, an environment variable when first read (:func:`check_environment` reads them all at once; the attention
+ops, the project's and vLLM's, call it before they touch a cache, so a bad value of any of them, the vLLM-only split
+mode included, stops either op).
 """
 
 from __future__ import annotations

@@ -263,8 +263,9 @@ def decide(layer_name, q, md, layer, kv_cache=None) -> guard.Decision:
     Per token, as the runtime's: ``prefill_tokens`` and ``fused_tokens`` of the call's rows, ``post_quantized``
     ``{reason: rows}`` for the rest. No metadata (a profile or dummy run) counts no tokens. A call with prefill
     rows is decided once per step for layers that read alike (:meth:`LayerInfo.call_key`), with the backend choice
-    (:func:`fusion_pass.runtime.settings.configured_backend`) of that first call: the decision is kept with the
-    step's rows.
+    (:func:`fusion_pass.runtime.settings.configured_backend`) and the split mode
+    (:func:`fusion_pass.runtime.settings.split_mixed`) of that first call: the decision is kept with the step's
+    rows.
     """
     if md is None:
         return _NO_METADATA

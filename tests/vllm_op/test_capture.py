@@ -162,6 +162,25 @@ def test_the_fallback_through_the_op_is_the_unfused_quant_and_its_step_is_kept(m
     assert getattr(copied, attention_op._STEP) is not step
 
 
+def test_a_mixed_step_through_the_op_is_not_split_by_default(monkeypatch):
+    """A mixed step (decode rows beside prefill rows) through the op on the CPU: a bad value of the split variable
+    raises naming it before vLLM's op runs or a buffer is written; by default the exact fallback, every row counted
+    as ``mixed_not_split``, the unfused bytes on every row."""
+    call, md, q, packed, scales, gs, seen = op_call(monkeypatch, "cpu", [1, 6, 1, 7], [5, 0, 40, 12])
+    counted = []
+    monkeypatch.setattr(counters, "record", lambda decision, layer_name=None: counted.append(decision.post_quantized))
+    monkeypatch.setenv(settings.SPLIT_MIXED_ENV, "maybe")
+    with pytest.raises(ValueError, match="FUSION_PASS_VLLM_SPLIT_MIXED='maybe' is not a split mode"):
+        call()
+    assert not counted and not packed.any() and not scales.any()
+    monkeypatch.delenv(settings.SPLIT_MIXED_ENV)
+    call()
+    assert counted == [{"mixed_not_split": 15}]
+    want_packed, want_scales = expected(q, gs)
+    assert torch.equal(packed, want_packed)
+    assert torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8))
+
+
 class SyncError(AssertionError):
     pass
 
