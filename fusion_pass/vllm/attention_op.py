@@ -55,13 +55,6 @@ _lib = None  # the torch.library.Library holding the ops (their lifetime is the 
 run_fused = fused_rows.run_fused  # module attributes, so that tests and benchmarks can wrap them
 quant_op = fused_rows.quant_op
 
-def _check_environment() -> None:
-    """:func:`fusion_pass.runtime.settings.check_environment` (a bad value raises at every check, as the runtime's
-    ops do; a good one is parsed once per value). The op checks at the first call of each step (and at every call
-    without metadata)."""
-    settings.check_environment()
-
-
 _forward_context_module = None  # vllm.forward_context, imported at the first call
 
 
@@ -117,7 +110,7 @@ class _Step:
     __slots__ = ("md_id", "decision", "buffer")
 
     def __init__(self, md, name):
-        _check_environment()
+        settings.check_environment()  # at the first call of each step (and at every call without metadata)
         self.md_id = id(md)
         self.buffer = None
         self.decision = decision = decode_only_decision(md)
@@ -137,7 +130,7 @@ def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, 
     name = layer_name if type(layer_name) is str else layer_name_of(layer_name)
     md, layer, kv_cache = _context(name)
     if md is None:  # vLLM's profile and dummy runs
-        _check_environment()
+        settings.check_environment()
         step = None
         decision = decide(name, inputs[0], md, layer, kv_cache)
         _log_path(name, decision)

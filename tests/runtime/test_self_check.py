@@ -137,38 +137,33 @@ def test_fa4_needs_its_check_where_this_project_never_ran_its_kernel(monkeypatch
         assert "never run on hardware" in why
 
 
-def test_self_check_mode_setting_and_environment(monkeypatch):
-    assert settings.self_check_mode() == "auto"
-    monkeypatch.setenv(settings.SELF_CHECK_ENV, " ALL ")
-    assert settings.self_check_mode() == "all"
-    with settings.use_self_check("off"):
-        assert settings.self_check_mode() == "off"
-    settings.set_self_check("off")
-    assert settings.self_check_mode() == "off"
-    settings.set_self_check(None)
-    monkeypatch.setenv(settings.SELF_CHECK_ENV, "sometimes")
-    with pytest.raises(ValueError, match=r"FUSION_PASS_SELF_CHECK='sometimes' .* auto, all, off"):
-        settings.check_environment()
-    with pytest.raises(ValueError, match=r"set_self_check\(mode\)=1"):
-        settings.set_self_check(1)
+SETTING_CASES = [  # (getter, setter, scoped, variable, default, a raw value and its parse, another value, bad value)
+    (settings.self_check_mode, settings.set_self_check, settings.use_self_check, settings.SELF_CHECK_ENV, "auto",
+     (" ALL ", "all"), "off", r"'sometimes' .* auto, all, off"),
+    (settings.split_mixed, settings.set_split_mixed, settings.use_split_mixed, settings.SPLIT_MIXED_ENV, "off",
+     (" On ", "on"), "off", r"'sometimes' .* off, on"),
+]
 
 
-def test_split_mixed_setting_and_environment(monkeypatch):
-    assert settings.split_mixed() == "off"
-    monkeypatch.setenv(settings.SPLIT_MIXED_ENV, " On ")
-    assert settings.split_mixed() == "on"
-    with settings.use_split_mixed("off"):
-        assert settings.split_mixed() == "off"
-        with settings.use_split_mixed(None):  # the environment decides inside
-            assert settings.split_mixed() == "on"
-    settings.set_split_mixed("off")
-    assert settings.split_mixed() == "off"
-    settings.set_split_mixed(None)
-    monkeypatch.setenv(settings.SPLIT_MIXED_ENV, "sometimes")
-    with pytest.raises(ValueError, match=r"FUSION_PASS_VLLM_SPLIT_MIXED='sometimes' .* off, on"):
+@pytest.mark.parametrize("get,set_,use,env,default,raw,other,bad", SETTING_CASES, ids=["self_check", "split_mixed"])
+def test_mode_setting_and_environment(monkeypatch, get, set_, use, env, default, raw, other, bad):
+    assert get() == default
+    monkeypatch.setenv(env, raw[0])
+    assert get() == raw[1]
+    with use(other):
+        assert get() == other
+        with use(None):  # the environment decides inside
+            assert get() == raw[1]
+    set_(other)
+    assert get() == other
+    set_(None)
+    monkeypatch.setenv(env, "sometimes")
+    with pytest.raises(ValueError, match=env + "=" + bad):
         settings.check_environment()
-    with pytest.raises(ValueError, match=r"use_split_mixed\(mode\)=True"):
-        with settings.use_split_mixed(True):
+    with pytest.raises(ValueError, match=rf"{set_.__name__}\(mode\)=1"):
+        set_(1)
+    with pytest.raises(ValueError, match=rf"{use.__name__}\(mode\)=True"):
+        with use(True):
             pass
 
 

@@ -93,15 +93,10 @@ def e2m1_magnitude(q: Float32) -> Uint32:
     """float32 -> the e2m1 code of ``|q|`` (0..7: round to nearest even, saturating at 6) in bits 0-3, bit 3
     clear; bits 4-7 are zero, bits 8 and up are not part of the result; the sign is the caller's (any generation).
 
-    ``t = a + M`` with ``a = min(|q|, 6)`` and a magic ``M`` whose float32 ulp is the e2m1 step of ``a``'s range
-    (0.5 below 2, 1 up to 4, 2 above): ``M = 2^22``, ``2^23 + 2`` or ``2^24 + 8``. The float adder rounds ``a``
-    to that step (round to nearest even: the offsets are even, so the parity of ``t``'s low mantissa bits is the
-    rounded step count's) and ``t``'s low bits are the code: ``2a`` below 2, ``a + 2`` up to 4, ``a / 2 + 4``
-    above. The range is the exponent of ``a * a + 11.75`` (130 below about 2.06, 131 below 4.5, 132 up to 6);
-    near the range edges both steps round alike (``a`` in ``[1.75, 2.25]`` with 0.5 and 1, in ``[3.5, 4.5]``
-    with 1 and 2), so that product's own rounding does not matter. The Triton quantizer's
-    ``nvfp4_math.e2m1_nibble`` rounds the same way (and adds the sign as 8 more ulps of ``M``, where
-    :func:`quantize_block` merges it at packing). No comparison, select or conversion per element."""
+    One magic float add, ``a + M`` with ``a = min(|q|, 6)`` and ``M`` chosen by the range of ``a`` from the
+    exponent of ``a * a + 11.75``: the arithmetic of the Triton quantizer's ``nvfp4_math.e2m1_nibble`` (derived
+    there and in docs/nvfp4.md, "One magic add per element"), without its sign term: :func:`quantize_block`
+    merges the sign at packing."""
     a = min(_abs(q), Float32(6.0))
     band = (_f32_bits(a * a + Float32(11.75)) >> Uint32(23)) - Uint32(130)
     return _f32_bits(a + _bits_f32(Uint32(0x4A800000) + band * Uint32(0x800002)))
