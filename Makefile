@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-vllm venv clean
+.PHONY: demo test test-vllm test-vllm-conformance venv clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
+
+# Every vLLM name the project depends on, checked in each supported release's CUDA wheel (no GPU, no vLLM installed):
+# op schemas, module paths, classes, attributes, metadata and config fields, the plugin group. The wheels are
+# downloaded once into FUSION_PASS_WHEEL_CACHE (default ~/.cache/attn-nvfp4-fusion/vllm-wheels; 240-340 MB each).
+# One release: make test-vllm-conformance FUSION_PASS_VLLM_RELEASES=0.34.0
+test-vllm-conformance: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider tests_vllm_conformance
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

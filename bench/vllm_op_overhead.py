@@ -1,7 +1,7 @@
 """Per-call cost of the fusion pass's vLLM attention op inside a real vLLM engine (vLLM's CPU build).
 
 The op the rewritten graph calls (``fusion_pass::vllm_attention_nvfp4`` / ``vllm_mla_attention_nvfp4``,
-``fusion_pass/vllm/attention_op.py``) runs once per attention layer per step. Beyond what the unfused graph
+``fusion_pass/vllm/runtime/attention_op.py``) runs once per attention layer per step. Beyond what the unfused graph
 runs (vLLM's attention op, then the quant op) it adds its own work: reading vLLM's metadata, the guard's
 decision, counting. This script runs tiny models (the vLLM suite's DeepSeek-V3-style MLA model and a
 Qwen2-style GQA model with qkv bias, NVFP4 o_proj through ``tests_vllm/nvfp4_test_quant.py``) in a
@@ -71,7 +71,7 @@ def _instrument(calls: list) -> None:
     from vllm.model_executor.layers.attention.attention import get_attention_context
 
     from fusion_pass.runtime import counters
-    from fusion_pass.vllm import attention_op
+    from fusion_pass.vllm.runtime import attention_op
 
     run, run_fused, quant_op = attention_op._run, attention_op.run_fused, attention_op.quant_op
     clock = time.perf_counter_ns

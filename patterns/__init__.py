@@ -1,7 +1,7 @@
 """What the fusion pass matches (installed as ``fusion_pass.patterns``).
 
 * :mod:`.vocabulary`: op vocabularies, binding the roles patterns use to one library's ops (vLLM's:
-  :mod:`fusion_pass.vllm.vocabulary`), and the NVFP4 GEMM forms a match ends in (:class:`GemmForm`);
+  :mod:`fusion_pass.vllm.compile.vocabulary`), and the NVFP4 GEMM forms a match ends in (:class:`GemmForm`);
 * :mod:`.attention_quant`: the pattern table, attention -> NVFP4 quant (-> NVFP4 GEMM).
 """
 

@@ -4,7 +4,7 @@ A pattern names roles ("the MLA attention op", "the NVFP4 quant op", ...), never
 concrete ops; a vocabulary binds the roles to one library's ops. The same
 patterns then match graphs built from ``torch.ops.fusion_pass`` and from any other
 library given a vocabulary (vLLM's lives with the vLLM integration,
-:func:`fusion_pass.vllm.vocabulary.vllm_vocabulary`).
+:func:`fusion_pass.vllm.compile.vocabulary.vllm_vocabulary`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,11 @@ FORBIDDEN = [
     ("fusion_pass.compile", ("fusion_pass.runtime", "fusion_pass.kernels", "fusion_pass.vllm", "fusion_pass.demo")),
     ("fusion_pass.patterns", ("fusion_pass.vllm", "fusion_pass.runtime", "fusion_pass.kernels")),
     ("fusion_pass.ops", ("fusion_pass.compile", "fusion_pass.vllm", "fusion_pass.demo")),
+    # the vLLM integration, split by when code runs: adapters below the run time, nothing below compile time's
+    ("fusion_pass.vllm.adapters", ("fusion_pass.vllm.runtime", "fusion_pass.vllm.compile", "fusion_pass.compile")),
+    ("fusion_pass.vllm.runtime", ("fusion_pass.vllm.compile", "fusion_pass.compile")),
+    ("fusion_pass.vllm.releases", ("fusion_pass.vllm.runtime", "fusion_pass.vllm.compile", "fusion_pass.vllm.adapters")),
+    ("fusion_pass.vllm.notices", ("fusion_pass.vllm.runtime", "fusion_pass.vllm.compile", "fusion_pass.vllm.adapters")),
 ]
 
 

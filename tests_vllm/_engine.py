@@ -2,7 +2,8 @@
 
     python _engine.py SPEC_JSON OUT_PT
 
-SPEC: {"model": dir, "pass": bool, "pass_name": str (default: the one-liner),
+SPEC: {"model": dir, "pass": bool, "pass_name": str (default: the one-liner), "compilation_config": {...} (more
+       of vLLM's compilation config),
        "workload": [{"kind": ..., "prompts": [[ids]], "max_tokens": n or [n per prompt]}], "llm": {...},
        "keep_chunked_prefill": bool (see below), "logprobs": n (default 2)}
 OUT: torch.save({"steps": [{"kind", "taps": [(a, block_scale_a)], "tokens", "logprobs", "decisions", "calls",
@@ -64,8 +65,8 @@ def unit_norm_weights(model) -> int:
 
 def batch_of_current_call(layer_name) -> dict:
     """The batch of the attention call being recorded (its layer's metadata in vLLM's forward context), as the
-    guard reads it (host-side rows: fusion_pass.vllm.host_rows)."""
-    from fusion_pass.vllm import attention_op, guard
+    guard reads it (host-side rows: fusion_pass.vllm.adapters.host_rows)."""
+    from fusion_pass.vllm.runtime import attention_op, guard
 
     md, layer, _ = attention_op._context(layer_name)
     rows = None if md is None else guard.step_rows(md, layer)
@@ -73,7 +74,7 @@ def batch_of_current_call(layer_name) -> dict:
         return {"decode": 0, "decode_rows": [], "host_copies": False}
     return {"decode": rows.rows.decode_tokens, "decode_rows": rows.decode_rows,
             "query_lens": list(rows.rows.query_lens), "context_lens": list(rows.rows.context_lens),
-            # vLLM's host copies kept by the metadata builder's hook (fusion_pass.vllm.host_rows.install_build_hook)
+            # vLLM's host copies kept by the metadata builder's hook (fusion_pass.vllm.adapters.host_rows.install_build_hook)
             "host_copies": hasattr(md, "_fusion_pass_host")}
 
 
@@ -83,12 +84,13 @@ def shadow_unfused(shadows: list) -> None:
     unfused scales)`` per fused call (every layer; across two runs only the first layer's inputs are equal)."""
     import torch
 
-    from fusion_pass.vllm import attention_op, guard
+    from fusion_pass.vllm.runtime import attention_op, guard
 
     run_fused = attention_op.run_fused  # looked up there by attention_op._run
 
-    def run_fused_and_unfused(backend_name, md, layer, kv_cache, inputs, output, output_scale, output_block_scale):
-        run_fused(backend_name, md, layer, kv_cache, inputs, output, output_scale, output_block_scale)
+    def run_fused_and_unfused(backend_name, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
+                              extra=None):
+        run_fused(backend_name, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
         packed, scales = output.clone(), output_block_scale.clone()
         if guard.is_mla(layer):
             op, heads = torch.ops.vllm.unified_mla_attention_with_output, None
@@ -111,6 +113,7 @@ def main(spec_path: str, out_path: str) -> None:
     from fusion_pass.runtime import counters
 
     cc = {"inductor_passes": {"post_grad_custom_post_pass": spec.get("pass_name", PASS_NAME)}} if spec["pass"] else {}
+    cc.update(spec.get("compilation_config", {}))
     start = time.time()
     llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=512, max_num_seqs=4, gpu_memory_utilization=0.1, seed=0,
@@ -129,7 +132,7 @@ def main(spec_path: str, out_path: str) -> None:
                       **batch_of_current_call(layer_name)})
         record(decision, layer_name)
 
-    counters.record = record_and_keep  # fusion_pass.vllm.attention_op calls counters.record
+    counters.record = record_and_keep  # fusion_pass.vllm.runtime.attention_op calls counters.record
     shadows: list = []
     if spec["pass"]:
         shadow_unfused(shadows)

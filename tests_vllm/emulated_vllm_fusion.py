@@ -12,7 +12,7 @@ import dataclasses
 from vllm.compilation.passes.inductor_pass import InductorPass
 
 from fusion_pass import FusionPass
-from fusion_pass.vllm.vocabulary import vllm_vocabulary
+from fusion_pass.vllm.compile.vocabulary import vllm_vocabulary
 from fusion_pass.vllm import FusionPassForVllm
 
 

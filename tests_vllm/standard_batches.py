@@ -6,10 +6,10 @@ interleaved, as vLLM's standard backends keep them)."""
 from types import SimpleNamespace
 
 import torch
-from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa
 
 from fusion_pass import nvfp4
+from fusion_pass.vllm import releases
 
 H, HK, D = 4, 2, 64
 K = H * D
@@ -70,7 +70,7 @@ def batch(requests, block_size: int = 32, seed: int = 0, layer=None, split_kv: b
     query_lens = [lq for lq, _ in requests]
     loc = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([lq + lc for lq, lc in requests], dtype=torch.int32)
-    schedule = ops.cpu_attn_get_scheduler_metadata(
+    schedule = releases.resolve("cpu_attn_get_scheduler_metadata")(
         num_reqs=len(requests), num_heads=H, num_kv_heads=HK, head_dim=D, seq_lens=seq_lens, dtype=torch.bfloat16,
         query_start_loc=loc, causal=True, sliding_window_size=-1, isa=layer.isa, enable_kv_split=split_kv)
     md = CPUAttentionMetadata(num_actual_tokens=int(loc[-1]), max_query_len=max(query_lens), query_start_loc=loc,

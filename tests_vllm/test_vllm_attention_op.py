@@ -14,7 +14,7 @@ import torch
 import fusion_pass.ops  # noqa: F401  (torch.ops.fusion_pass.scaled_fp4_quant, the unfused graph's quant op on CPU)
 from fusion_pass import nvfp4
 from fusion_pass.runtime import backends, settings
-from fusion_pass.vllm import attention_op, fused_rows, guard
+from fusion_pass.vllm.runtime import attention_op, fused_rows, guard
 
 H, NOPE, ROPE, DV, LORA, BLOCK = 4, 32, 16, 32, 64, 16
 K = H * DV
@@ -189,7 +189,8 @@ def test_guard_falls_back_where_rows_cannot_be_computed_apart():
     # a forward_impl without vLLM's decode/prefill split: decode rows cannot be computed alone
     decision = guard.decide("stand_in.attn", inputs[0], md, StandInMLA(), kv_cache)
     assert (decision.path, decision.reason) == ("fallback", "decode_tokens")
-    assert "does not split decode and prefill rows" in decision.detail
+    assert "is not vLLM 0.32.x's MLAAttention.forward_impl" in decision.detail
+    assert "may not split decode and prefill rows" in decision.detail
     assert decision.post_quantized == {"decode_tokens": 17} and decision.prefill_tokens == 14
     # a cache that is not the unquantized latent cache [num_blocks, block_size, L + R]
     decision = guard.decide("stand_in.attn", inputs[0], md, VllmStructure(), kv_cache.view(-1, LORA + ROPE))
@@ -282,3 +283,54 @@ def test_fused_calls_run_inside_vllms_kv_connector_hooks(monkeypatch):
     # kv_b_proj runs for the new tokens and for the cached context: every such call between the two hooks
     assert events[0] == "wait stand_in.attn" and events[-1] == "save stand_in.attn", events
     assert len(events) > 2 and set(events[1:-1]) == {"fused path reads the cache"}, events
+
+
+class RecordingMLA(VllmStructure):
+    """vLLM's forward_impl for the guard, a recorder for the decode rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.kwargs = []
+
+    def forward_impl(self, q, kv_c_normed, k_pe, kv_cache, attn_metadata, output, **kwargs):
+        self.kwargs.append(kwargs)
+        output.copy_(self.decode_output(q))
+
+
+def test_the_decode_rows_get_the_ops_prepared_decode_query_cut_to_them():
+    """0.34's mqa_q_prepared (a decode query the model prepared itself) reaches vLLM's forward_impl for the decode
+    rows, cut to them; absent (None) it is not passed (0.32 / 0.33's forward_impl has no such argument)."""
+    from fusion_pass.vllm.adapters.registry import MLA
+
+    layer, decode = RecordingMLA(), 3
+    inputs, md, kv_cache = batch(decode, [5], [0])
+    prepared = torch.randn(inputs[0].shape[0], H, 8)
+    out = torch.empty(decode, K, dtype=torch.bfloat16)
+    assert MLA.run_decode(layer, md, None, (*inputs, {"mqa_q_prepared": prepared}), kv_cache, out) == "forward_impl"
+    assert torch.equal(layer.kwargs[-1]["mqa_q_prepared"], prepared[:decode])
+    MLA.run_decode(layer, md, None, (*inputs, {"mqa_q_prepared": None}), kv_cache, out)
+    assert layer.kwargs[-1] == {}
+
+
+MLA_034_SCHEMA_PROBE = """
+import torch
+from fusion_pass.vllm import releases
+release = next(r for r in releases.RELEASES if r.line == "0.34")
+releases.current = lambda: release
+import vllm.model_executor.layers.attention  # noqa: F401
+from fusion_pass.vllm.runtime import attention_op
+attention_op.register()
+print("ARGS", [a.name for a in torch.ops.fusion_pass.vllm_mla_attention_nvfp4.default._schema.arguments])
+print("TYPE", str(torch.ops.fusion_pass.vllm_mla_attention_nvfp4.default._schema.arguments[-1].type))
+"""
+
+
+def test_on_0_34_the_fused_mla_op_takes_mqa_q_prepared_as_vllms_op_does():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", MLA_034_SCHEMA_PROBE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    args = eval(proc.stdout.split("ARGS ", 1)[1].splitlines()[0])
+    assert args[-2:] == ["q_dcp_replicated", "mqa_q_prepared"] and len(args) == 14
+    assert "TYPE Optional[Tensor]" in proc.stdout

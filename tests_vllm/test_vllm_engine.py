@@ -287,7 +287,7 @@ def test_graphs_vllms_own_fusion_rewrote_are_retargeted_to_the_fused_call(engine
     assert report["candidates"] == report["rewritten"] == report["retargeted"] == 2, report
     assert [(l["pattern"], l["outcome"]) for l in report["per_graph"][0]["layers"]] == [(pattern, "retargeted")] * 2
     assert "2 rewritten (2 retargeted)" in result["log"]
-    # the layers vLLM built, read while compiling (fusion_pass/vllm/layer_check.py): the fused call can run for them
+    # the layers vLLM built, read while compiling (fusion_pass/vllm/compile/layer_check.py): the fused call can run for them
     backend = "MLA" if name == "dsv3" else "vLLM attention backend CPU_ATTN"
     for i in range(LAYERS):
         line = (f"model.layers.{i}.self_attn.attn ({pattern}): vLLM's fuse_attn_quant rewrite retargeted to the fused "

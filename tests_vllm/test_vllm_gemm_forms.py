@@ -1,7 +1,7 @@
 """The o_proj GEMM of every NVFP4 linear kernel of vLLM 0.32, at graph level on vLLM's CPU build.
 
 For each kernel class of ``vllm/model_executor/kernels/linear/nvfp4/`` that quantizes its input with
-``scaled_fp4_quant`` (:data:`fusion_pass.vllm.vocabulary.VLLM_GEMM_FORMS`), the real class's
+``scaled_fp4_quant`` (:data:`fusion_pass.vllm.compile.vocabulary.VLLM_GEMM_FORMS`), the real class's
 ``apply_weights`` is traced by ``torch.compile`` behind vLLM's real attention op (the graph an o_proj after
 attention produces), Inductor's post-grad graph is handed to the pass, and the graph is read node by node
 before and after (without :mod:`fusion_pass.compile.matcher`). The compile stops right after the pass
@@ -40,7 +40,7 @@ from vllm.model_executor.kernels.linear.nvfp4 import flashinfer as fi_kernels
 from vllm.model_executor.kernels.linear.nvfp4 import pytorch as torch_kernels
 
 from fusion_pass.vllm import FusionPassForVllm
-from fusion_pass.vllm.vocabulary import vllm_gemm_forms
+from fusion_pass.vllm.compile.vocabulary import vllm_gemm_forms
 
 aten = torch.ops.aten
 HOPS = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
@@ -435,7 +435,7 @@ def test_trtllm_gemm_told_to_read_8x4_scales_from_the_128x4_quant_is_refused(fus
 CPU_BUILD_PROBE = textwrap.dedent('''
     import torch
     import fusion_pass_vllm
-    from fusion_pass.vllm.vocabulary import vllm_gemm_forms, vllm_vocabulary
+    from fusion_pass.vllm.compile.vocabulary import vllm_gemm_forms, vllm_vocabulary
     fusion_pass_vllm.PASS.fusion()
     vocab = vllm_vocabulary()
     print("QUANT", vocab.nvfp4_quant)

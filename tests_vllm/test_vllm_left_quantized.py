@@ -1,6 +1,6 @@
 """Beside vLLM's own attention + NVFP4 quant fusion: where the fused call cannot run for a layer (a quantized KV
 cache above all: vLLM registers its standard-attention fusion for FlashInfer's trtllm-gen with one), the pass
-leaves vLLM's rewrite as it is; elsewhere it retargets it to the fused op (fusion_pass/vllm/layer_check.py).
+leaves vLLM's rewrite as it is; elsewhere it retargets it to the fused op (fusion_pass/vllm/compile/layer_check.py).
 
 At graph level on vLLM's CPU build: the unfused graph (vLLM's attention op -> the quant op -> the NVFP4 GEMM) goes
 through ``emulated_vllm_fusion.PASS`` (vLLM's fusion, CUDA-only, stood in for by the pass's own rewrite with vLLM's
@@ -19,7 +19,7 @@ import vllm.model_executor.layers.attention  # noqa: F401  (registers vLLM's att
 from vllm.config import VllmConfig, set_current_vllm_config
 
 from emulated_vllm_fusion import EmulatedVllmFusionThenOurs
-from fusion_pass.vllm import layer_check
+from fusion_pass.vllm.compile import layer_check
 
 H, DV, T = 4, 64, 40
 LAYER = "model.layers.0.self_attn.attn"
@@ -123,7 +123,8 @@ CASES = [  # kind, layer, outcome, reason
     ("standard", lambda: standard_layer("fp8", "FLASHINFER"), "left", "quantized_kv_cache"),
     ("standard", lambda: standard_layer("fp8_e4m3", "FLASH_ATTN"), "left", "quantized_kv_cache"),
     ("mla", lambda: mla_layer("fp8"), "left", "quantized_kv_cache"),
-    ("standard", lambda: standard_layer("auto", "FLASHINFER"), "left", "no_decode_adapter:FLASHINFER"),
+    ("standard", lambda: standard_layer("auto", "TRITON_ATTN"), "left", "no_decode_adapter:TRITON_ATTN"),
+    ("standard", lambda: standard_layer("auto", "FLASHINFER"), "retargeted", None),  # FLASHINFER has an adapter
     ("standard", lambda: standard_layer("auto", "FLASH_ATTN", sliding_window=(127, 0)), "left",
      "layer_not_supported"),
     ("standard", lambda: standard_layer("auto", "FLASH_ATTN"), "retargeted", None),

@@ -2,6 +2,7 @@
 warning, and vLLM's VLLM_COMPILE path (configure_post_pass and PostGradPassManager's pass order)."""
 
 import copy
+import json
 import logging
 import pickle
 import subprocess
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 import fusion_pass_vllm
-from fusion_pass.vllm import FusionPassForVllm, inductor_pass as pass_
+from fusion_pass.vllm import FusionPassForVllm, notices, releases
+from fusion_pass.vllm.compile import inductor_pass as pass_, report_file
 
 
 def test_one_liner_object_pickles_deep_copies_and_keeps_its_uuid():
@@ -37,7 +39,7 @@ def test_one_liner_object_pickles_deep_copies_and_keeps_its_uuid():
 
 
 def test_vllm_vocabulary_names_vllm_ops_and_our_run_time_ops():
-    from fusion_pass.vllm.vocabulary import vllm_vocabulary
+    from fusion_pass.vllm.compile.vocabulary import vllm_vocabulary
 
     fusion_pass_vllm.PASS.fusion()  # registers our run-time ops
     vocab = vllm_vocabulary()
@@ -54,28 +56,114 @@ def test_vllm_vocabulary_names_vllm_ops_and_our_run_time_ops():
                [(a.name, str(a.type)) for a in theirs._schema.arguments]
 
 
-def test_other_vllm_versions_are_left_alone_with_the_reason_logged(monkeypatch, caplog):
+@pytest.mark.parametrize("version, line", [("0.32.0", "0.32"), ("0.32.1+cpu", "0.32"), ("0.33.0", "0.33"),
+                                           ("0.33.2+cu130", "0.33"), ("0.34.0", "0.34"), ("0.34", "0.34"),
+                                           ("0.31.9", None), ("0.35.0", None), ("0.340.0", None), ("1.0.0", None)])
+def test_the_gate_accepts_exactly_the_listed_releases(version, line):
+    release = releases.release_of(version)
+    assert (release.line if release else None) == line
+    refused = releases.refusal(version)
+    if line is None:  # one line naming the supported releases
+        assert "\n" not in refused and "0.32.x, 0.33.x, 0.34.x" in refused and version in refused
+    else:
+        assert refused is None and pass_.version_supported(version)
+
+
+def test_other_vllm_versions_are_left_alone_with_the_reason_logged_and_reported(monkeypatch, caplog, tmp_path):
     import vllm
 
     monkeypatch.setattr(vllm, "__version__", "0.40.0")
+    monkeypatch.setattr(notices, "_notices", {})
+    monkeypatch.setenv("FUSION_PASS_DUMP", str(tmp_path))
     p = FusionPassForVllm()
     with caplog.at_level(logging.WARNING, logger="vllm.fusion_pass"):
         assert p.fusion() is None
         graph = torch.fx.Graph()
         graph.output(None)
         p(graph)  # a no-op, not an error
-    assert "vllm 0.40.0 is not one of the versions" in p.disabled_reason
-    assert "does not rewrite in this process" in caplog.text
-    assert p.report()["disabled_reason"] == p.disabled_reason
+    assert "vLLM 0.40.0 is not a supported release (supported: 0.32.x, 0.33.x, 0.34.x" in p.disabled_reason
+    assert caplog.text.count("does not rewrite in this process") == 1
+    report = p.report()
+    assert report["disabled_reason"] == p.disabled_reason
+    assert [n["key"] for n in report["notices"]] == ["release"]
+    # the report file says it too, and `fusion-pass report` prints it (never a silent no-op)
+    written = json.loads(report_file.report_path(tmp_path).read_text())
+    assert written["notices"][0]["key"] == "release" and written["disabled_reason"] == p.disabled_reason
+    p._report_file.close()
+    from fusion_pass.compile import process_reports
+
+    text = process_reports.format_summary(process_reports.summarize(tmp_path))
+    assert "notices (why the pass could not act):" in text and "not a supported release" in text
 
 
 def test_attention_as_a_splitting_op_is_named():
     split = SimpleNamespace(splitting_ops=["vllm::unified_mla_attention_with_output", "vllm::other"],
                             use_inductor_graph_partition=False)
-    assert pass_.splitting_attention_ops(split) == ["vllm::unified_mla_attention_with_output"]
+    assert notices.splitting_attention_ops(split) == ["vllm::unified_mla_attention_with_output"]
     split.use_inductor_graph_partition = True
-    assert pass_.splitting_attention_ops(split) == []
-    assert pass_.splitting_attention_ops(SimpleNamespace(splitting_ops=[], use_inductor_graph_partition=False)) == []
+    assert notices.splitting_attention_ops(split) == []
+    assert notices.splitting_attention_ops(SimpleNamespace(splitting_ops=[], use_inductor_graph_partition=False)) == []
+
+
+def _config(mode=3, breakable=False, eager=False, splitting_ops=(), partition=False, with_pass=True):
+    post = FusionPassForVllm() if with_pass else None
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(mode=mode, use_breakable_cudagraph=breakable, splitting_ops=list(splitting_ops),
+                                           use_inductor_graph_partition=partition,
+                                           inductor_compile_config={"post_grad_custom_post_pass": post}),
+        model_config=SimpleNamespace(enforce_eager=eager))
+
+
+@pytest.mark.parametrize("config, key, says", [
+    (dict(mode=0, breakable=True), "not_compiled", "VLLM_USE_BREAKABLE_CUDAGRAPH=0"),
+    (dict(mode=0, eager=True), "not_compiled", "enforce_eager"),
+    (dict(mode=0), "not_compiled", "mode=3"),
+    (dict(splitting_ops=["vllm::unified_attention_with_output"]), "attention_split", "use_inductor_graph_partition=True"),
+    (dict(splitting_ops=["vllm::unified_attention_with_output"], partition=True), None, None),
+    (dict(mode=0, with_pass=False), None, None),     # the pass is not configured: nothing to say
+    (dict(), None, None),
+])
+def test_a_config_that_keeps_the_pass_from_acting_is_said_once(monkeypatch, caplog, config, key, says):
+    monkeypatch.setattr(notices, "_notices", {})
+    with caplog.at_level(logging.WARNING, logger="vllm.fusion_pass"):
+        found = notices.check_config(_config(**config))
+        notices.check_config(_config(**config))  # said once per process
+    assert found == ([key] if key else [])
+    assert [n["key"] for n in notices.notices()] == found
+    if key:
+        assert caplog.text.count("fusion_pass: ") == 1 and says in caplog.text
+    else:
+        assert caplog.text == ""
+
+
+UNSUPPORTED_PLUGIN_PROBE = textwrap.dedent('''
+    import sys, torch, vllm
+    vllm.__version__ = sys.argv[1]
+    from vllm.v1.attention.backend import AttentionMetadataBuilder
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+    from fusion_pass.vllm import notices, plugin
+    plugin.register()
+    print("OPS", hasattr(torch.ops.fusion_pass, "vllm_attention_nvfp4"),
+          hasattr(torch.ops.fusion_pass, "vllm_mla_attention_nvfp4"))
+    print("HOOKS", getattr(AttentionMetadataBuilder.__init__, "__fusion_pass_hook__", False),
+          getattr(CPUAttentionMetadataBuilder.build, "__fusion_pass_hook__", False))
+    print("NOTICES", [n["key"] for n in notices.notices()])
+''')
+
+
+@pytest.mark.parametrize("version, registered", [("0.40.0", False), ("0.31.0", False), (None, True)])
+def test_on_an_unlisted_release_the_plugin_registers_nothing(version, registered):
+    import vllm
+
+    proc = subprocess.run([sys.executable, "-c", UNSUPPORTED_PLUGIN_PROBE, version or vllm.__version__],
+                          capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert f"OPS {registered} {registered}" in proc.stdout, log[-3000:]
+    assert f"HOOKS {registered} {registered}" in proc.stdout, log[-3000:]
+    assert ("NOTICES ['release']" if not registered else "NOTICES []") in proc.stdout, log[-3000:]
+    if not registered:
+        assert log.count("is not a supported release") == 1
 
 
 VLLM_COMPILE_PROBE = textwrap.dedent('''

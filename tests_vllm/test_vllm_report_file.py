@@ -1,5 +1,5 @@
 """The pass's names in vLLM's config code, and the per-process report file that outlives a killed process
-(fusion_pass/vllm/report_file.py, the counters' listeners in fusion_pass/runtime/counters.py)."""
+(fusion_pass/vllm/compile/report_file.py, the counters' listeners in fusion_pass/runtime/counters.py)."""
 
 import json
 import logging
@@ -14,7 +14,7 @@ import pytest
 
 from fusion_pass.runtime import counters
 from fusion_pass.runtime.guard import Decision
-from fusion_pass.vllm import report_file
+from fusion_pass.vllm.compile import report_file
 
 # ---------------------------------------------------------------- pass names, through vLLM's own resolution
 

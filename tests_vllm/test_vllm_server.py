@@ -22,7 +22,7 @@ import pytest
 
 from conftest import engine_env, run_engine
 from fusion_pass import cli
-from fusion_pass.vllm import report_file
+from fusion_pass.vllm.compile import report_file
 
 CPU_MLA = {"backend": "CPU_MLA"}  # as tests_vllm/test_vllm_engine.py pins it (see there)
 PREFILL = [list(range(3, 10)), list(range(10, 40))]

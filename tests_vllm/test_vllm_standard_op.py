@@ -11,8 +11,10 @@ import torch
 import fusion_pass.ops  # noqa: F401  (torch.ops.fusion_pass.scaled_fp4_quant, the unfused graph's quant op on CPU)
 from fusion_pass import nvfp4
 from fusion_pass.runtime import backends, settings
-from fusion_pass.vllm import cpu_attn_adapter, fused_standard, guard, host_rows
-from fusion_pass.vllm.adapters import ADAPTERS, context_source
+from fusion_pass.vllm.adapters import cpu_attn as cpu_attn_adapter, host_rows
+from fusion_pass.vllm.runtime import fused_standard, guard
+from fusion_pass.vllm.adapters.paged import context_source
+from fusion_pass.vllm.adapters.registry import ADAPTERS
 from standard_batches import (GS, HK, D, H, K, StandInLayer, batch, buffers, reference_prefill, row_scale_bytes,
                               vllm_attention)
 
@@ -67,7 +69,7 @@ def test_cpu_decode_rows_byte_equal_to_vllms_attention_of_the_whole_batch(reques
         assert splits is (split is True)
     before = dict(cpu_attn_adapter.DECODE_METHODS)
     out = torch.empty(len(rows.decode), H, D, dtype=torch.bfloat16)
-    method = CPU.run_decode(layer, md, rows, *inputs, kv_cache, out)
+    method = CPU.run_decode(layer, md, rows, inputs, kv_cache, out.view(out.shape[0], -1))
     assert method == ("whole_batch" if splits else "sub_batch")
     assert cpu_attn_adapter.DECODE_METHODS[method] == before[method] + 1
     assert torch.equal(out, vllm_attention(layer, inputs, md, kv_cache)[rows.decode_rows])
@@ -162,13 +164,13 @@ def test_guard_does_not_split_a_mixed_call_by_default(monkeypatch, seed):
 
 
 def test_guard_names_a_backend_without_adapter():
-    for name in ("FLASHINFER", "TRITON_ATTN"):
+    for name in ("TRITON_ATTN", "FLEX_ATTENTION"):  # FLASHINFER has an adapter (tests_vllm/test_vllm_flashinfer.py)
         layer, inputs, md, kv_cache, _ = batch([(1, 40), (6, 0)], layer=_standard_guard_layer(name))
         decision = guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
         assert (decision.path, decision.reason) == ("fallback", f"no_decode_adapter:{name}")
         assert decision.post_quantized == {f"no_decode_adapter:{name}": 7} and decision.prefill_tokens == 6
     # a decode-only batch needs no adapter
-    layer, inputs, md, kv_cache, _ = batch([(1, 40)], layer=_standard_guard_layer("FLASHINFER"))
+    layer, inputs, md, kv_cache, _ = batch([(1, 40)], layer=_standard_guard_layer("TRITON_ATTN"))
     assert guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache).reason == "decode_tokens"
 
 

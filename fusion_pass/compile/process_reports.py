@@ -2,7 +2,7 @@
 
 Inside vLLM the pass runs in the engine's worker processes, not in the one that
 built the configuration. Each process that ran the pass writes its report to
-``<dir>/reports/vllm_report_<pid>.json`` (:mod:`fusion_pass.vllm.report_file`; kept
+``<dir>/reports/vllm_report_<pid>.json`` (:mod:`fusion_pass.vllm.compile.report_file`; kept
 current with the run-time counters while it serves), apart from the graph dumps
 in ``<dir>``; releases before that wrote ``<dir>/vllm_report_<pid>.json``, which is
 read too. :func:`summarize` adds them up and ``fusion-pass report DIR`` prints the result.
@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 PATTERN = "vllm_report_*.json"
-REPORTS_DIR = "reports"  # the same folder as fusion_pass.vllm.report_file.REPORTS_DIR (which needs vLLM)
+REPORTS_DIR = "reports"  # the same folder as fusion_pass.vllm.compile.report_file.REPORTS_DIR (which needs vLLM)
 
 
 def report_files(directory: str | Path) -> list[Path]:
@@ -38,7 +38,8 @@ def summarize(directory: str | Path) -> dict:
     "fused": n, "fused_by_backend": {name: n}, "fallback": {reason: n},
     "tokens": {"prefill": n, "prefill_fused": n, "post_quantized": {reason: n}}}``; each process entry has the
     same run-time keys (its own counts) and ``file`` (relative to ``directory``), ``pid``, ``written_on``
-    (``"graph"``, ``"counters"``, ``"exit"``; None for older reports). The run-time counts are each process's
+    (``"graph"``, ``"counters"``, ``"exit"``; None for older reports), ``notices`` (why the pass could not act in
+    that process: ``[{"key", "message"}]``, :mod:`fusion_pass.vllm.notices`). The run-time counts are each process's
     whole (a report's ``runtime_process``, else its ``runtime``). Raises ``FileNotFoundError`` naming the
     directory when it is not one or holds no report, ``ValueError`` naming the file that cannot be read.
     """
@@ -80,6 +81,7 @@ def summarize(directory: str | Path) -> dict:
                           "graphs": report.get("graphs", 0), "candidates": report.get("candidates", 0),
                           "rewritten": report.get("rewritten", 0), "refused": report.get("refused") or {},
                           "disabled_reason": report.get("disabled_reason"), "written_on": report.get("written_on"),
+                          "notices": [n for n in report.get("notices") or () if isinstance(n, dict)],
                           "fused": int(runtime.get("fused", 0)),
                           "fused_by_backend": dict(runtime.get("fused_by_backend") or {}),
                           "fallback": dict(runtime.get("fallback") or {}), "tokens": tokens})
@@ -102,6 +104,10 @@ def format_summary(summary: dict) -> str:
         note = f"  (pass disabled: {p['disabled_reason']})" if p["disabled_reason"] else ""
         lines.append(f"{str(p['pid']):>8} {p['graphs']:>6} {p['candidates']:>10} {p['rewritten']:>9} "
                      f"{p['fused']:>7} {tokens(p['tokens']):>13}  {reasons(p['refused'])}{note}")
+    said = [(p["pid"], n) for p in summary["processes"] for n in p.get("notices") or ()]
+    if said:
+        lines += ["", "notices (why the pass could not act):"]
+        lines += [f"  pid {pid}: {n.get('key')}: {n.get('message')}" for pid, n in said]
     t = summary["tokens"]
     lines += [
         "",

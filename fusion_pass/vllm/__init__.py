@@ -1,7 +1,7 @@
 """vLLM integration (needs vLLM for the pass; nothing here is imported by ``import fusion_pass``).
 
 * :class:`FusionPassForVllm` — the pass as a vLLM ``InductorPass`` (picklable, deep-copyable,
-  building its :class:`~fusion_pass.FusionPass` lazily over :func:`fusion_pass.vllm.vocabulary.vllm_vocabulary`);
+  building its :class:`~fusion_pass.FusionPass` lazily over :func:`fusion_pass.vllm.compile.vocabulary.vllm_vocabulary`);
 * :data:`PASS` — the one instance vLLM's pass names refer to: ``"fusion_pass_vllm.PASS"`` (the top-level module
   ``fusion_pass_vllm``) and ``"fusion_pass.vllm.PASS"``. vLLM resolves a name ``a.b.PASS`` as
   ``__import__("a.b").__dict__["PASS"]``, and ``__import__`` returns the top-level package, so importing this
@@ -29,8 +29,8 @@ from importlib.util import find_spec
 __all__ = ["PASS", "FusionPassForVllm", "SUPPORTED_VLLM_VERSIONS"]
 
 if find_spec("vllm") is not None:
-    from fusion_pass.vllm.inductor_pass import SUPPORTED_VLLM_VERSIONS, FusionPassForVllm
-    from fusion_pass.vllm.registration import PASS
+    from fusion_pass.vllm.compile.inductor_pass import SUPPORTED_VLLM_VERSIONS, FusionPassForVllm
+    from fusion_pass.vllm.compile.registration import PASS
 else:
     def __getattr__(name: str):
         if name in __all__:

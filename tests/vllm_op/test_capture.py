@@ -1,7 +1,7 @@
 """The vLLM op's decision and exact fallback: host-side only, and captured in a CUDA graph (issue 18, item 7).
 
 vLLM runs the attention op once per layer per step, eagerly between compiled pieces and inside a full CUDA graph for
-decode-only batches; the op decides from host-side metadata (fusion_pass/vllm/host_rows.py) and under capture takes
+decode-only batches; the op decides from host-side metadata (fusion_pass/vllm/adapters/host_rows.py) and under capture takes
 the path that needs no decision. These tests need no vLLM: the op's run-time modules import without it, and vLLM's
 forward context, its attention op and its metadata are stood in for (what vLLM's FlashAttention builder hands the op,
 plus the host copies the build hook keeps). On the CPU: the decision on metadata whose device tensors are meta
@@ -22,7 +22,8 @@ import torch
 
 from fusion_pass import nvfp4
 from fusion_pass.runtime import counters, settings
-from fusion_pass.vllm import attention_op, guard, host_rows
+from fusion_pass.vllm.runtime import attention_op, guard
+from fusion_pass.vllm.adapters import host_rows
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on the H200: no vLLM needed)")
@@ -73,7 +74,9 @@ def mla_stand_ins():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None,
                     reason="checks an environment without vLLM (this suite's and the H200's); vLLM is installed here")
 def test_the_run_time_modules_import_without_vllm():
-    code = ("import sys\nfrom fusion_pass.vllm import attention_op, guard, host_rows, adapters, fused_rows\n"
+    code = ("import sys\nfrom fusion_pass.vllm.runtime import attention_op, guard, fused_rows, fused_standard\n"
+            "from fusion_pass.vllm.adapters import cpu_attn, flash_attn, flashinfer, host_rows, layer, mla, registry\n"
+            "from fusion_pass.vllm import notices, releases\n"
             "assert 'vllm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('vllm'))\nprint('OK')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (proc.stdout + proc.stderr)[-3000:]

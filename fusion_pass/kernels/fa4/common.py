@@ -44,8 +44,9 @@ __all__ = [
 FA4_VERSION = "4.0.0b36"
 """The flash-attn-4 release the subclasses override internals of (pinned in pyproject's ``fa4`` extra)."""
 
-CUTLASS_DSL_VERSION = "4.8.1"
-"""The nvidia-cutlass-dsl release they were compiled with."""
+CUTLASS_DSL_VERSION = "4.8.0"
+"""The nvidia-cutlass-dsl release pinned in the ``fa4`` extra: the one vLLM 0.32-0.34's CUDA wheels pin, so that
+both install in one environment (``docs/fa4.md``, "The CuTe DSL pin")."""
 
 FA4_INSTALL_HINT = "pip install 'attn-nvfp4-fusion[fa4]'"
 

@@ -5,7 +5,7 @@ Imported only by :mod:`fusion_pass.kernels.fa4.sm100` when a kernel is compiled.
 source, so they must be module-level definitions.
 
 :class:`FlashAttentionForwardSm100Nvfp4` subclasses ``flash_attn.cute.flash_fwd_sm100.FlashAttentionForwardSm100``
-(flash-attn-4 4.0.0b36, nvidia-cutlass-dsl 4.8.1; pinned in ``pyproject.toml``). Everything that computes
+(flash-attn-4 4.0.0b36, nvidia-cutlass-dsl 4.8.0; pinned in ``pyproject.toml``). Everything that computes
 attention is FA4's, unchanged: the TMA loads, the tcgen05 QK^T and PV products into tensor memory, the softmax
 warps, the correction warps' rescaling, the varlen tile scheduler. With ``cu_seqlens_q`` FA4 writes O through
 its correction warps (``use_correction_warps_for_epi``): ``correction_epilogue`` loads each thread's row of the

@@ -8,7 +8,7 @@ import without FA4).
 
 :class:`FlashAttentionForwardSm90Nvfp4` subclasses
 ``flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90`` (flash-attn-4
-4.0.0b36, nvidia-cutlass-dsl 4.8.1; pinned in ``pyproject.toml``). The main loop
+4.0.0b36, nvidia-cutlass-dsl 4.8.0; pinned in ``pyproject.toml``). The main loop
 (TMA loads of Q/K/V, the wgmma QK^T and PV products, online softmax, causal
 masking, the varlen tile scheduler) is FA4's, unchanged. It overrides three
 methods:

@@ -19,7 +19,7 @@ __all__ = ["copy_rows", "nvfp4_rows", "quant_op", "write_rows", "zero_padding"]
 
 @functools.lru_cache(maxsize=None)
 def quant_op():
-    """The quant op the unfused graph calls (the one :func:`fusion_pass.vllm.vocabulary.vllm_vocabulary` matches),
+    """The quant op the unfused graph calls (the one :func:`fusion_pass.vllm.compile.vocabulary.vllm_vocabulary` matches),
     looked up once per process (vLLM's ``_C`` ops are registered when vLLM is imported, before any graph runs)."""
     c = getattr(torch.ops, "_C", None)
     if c is not None and hasattr(c, "scaled_fp4_quant") and hasattr(c, "cutlass_scaled_fp4_mm"):

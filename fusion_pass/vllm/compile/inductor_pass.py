@@ -12,7 +12,7 @@ is an ``InductorPass`` before appending it to its ``PostGradPassManager``. Hence
   and Inductor's FX graph cache key include it);
 * every process that compiles logs its report (logger ``vllm.fusion_pass``, so vLLM's handler shows
   it) and, under ``FUSION_PASS_DUMP=dir``, writes it to ``dir/reports/vllm_report_<pid>.json``, kept current
-  with the run-time counters while the process serves (:mod:`fusion_pass.vllm.report_file`).
+  with the run-time counters while the process serves (:mod:`fusion_pass.vllm.compile.report_file`).
 """
 
 from __future__ import annotations
@@ -28,25 +28,17 @@ from pathlib import Path
 import vllm
 from vllm.compilation.passes.inductor_pass import InductorPass
 
-from fusion_pass.vllm import layer_check, report_file, vocabulary
+from fusion_pass.vllm import notices, releases
+from fusion_pass.vllm.compile import layer_check, report_file, vocabulary
 
 logger = logging.getLogger("vllm.fusion_pass")
 
-SUPPORTED_VLLM_VERSIONS = vocabulary.VLLM_VERSIONS
-ATTENTION_OPS = ("vllm::unified_attention_with_output", "vllm::unified_mla_attention_with_output",
-                 "vllm::unified_attention", "vllm::unified_mla_attention")
+SUPPORTED_VLLM_VERSIONS = tuple(f"{r.line}." for r in releases.RELEASES)
+"""Prefixes of the supported vLLM releases (:data:`fusion_pass.vllm.releases.RELEASES`)."""
 
 
 def version_supported(version: str | None = None) -> bool:
-    version = vllm.__version__ if version is None else version
-    return any(version.startswith(prefix) for prefix in SUPPORTED_VLLM_VERSIONS)
-
-
-def splitting_attention_ops(compilation_config) -> list[str]:
-    """Attention ops among the config's splitting ops (when the graph is really split on them)."""
-    if compilation_config is None or getattr(compilation_config, "use_inductor_graph_partition", False):
-        return []
-    return [op for op in (getattr(compilation_config, "splitting_ops", None) or []) if op in ATTENTION_OPS]
+    return releases.refusal(vllm.__version__ if version is None else version) is None
 
 
 class FusionPassForVllm(InductorPass):
@@ -55,11 +47,13 @@ class FusionPassForVllm(InductorPass):
     ``patterns``: names of entries of :data:`fusion_pass.patterns.PATTERNS` (default: all).
     """
 
+    notices_key = notices.NOTICES_KEY  # how fusion_pass.vllm.compile.notices finds this pass in a vLLM config
+
     def __init__(self, patterns: tuple[str, ...] | None = None):
         self.patterns = None if patterns is None else tuple(patterns)
         self._fusion = None
         self._lock = threading.Lock()
-        self._warned_split = False
+        self._checked_config = False
         self.disabled_reason: str | None = None
         self._report_file: report_file.ReportFile | None = None
         self._graph_report: dict | None = None  # report() when the last graph was compiled
@@ -83,27 +77,26 @@ class FusionPassForVllm(InductorPass):
             return self._fusion
 
     def _build(self):
-        if not version_supported():
-            return self._disable(f"vllm {vllm.__version__} is not one of the versions this pass was written "
-                                 f"against ({', '.join(v + 'x' for v in SUPPORTED_VLLM_VERSIONS)}): "
-                                 f"graphs are left as vLLM built them")
+        refused = releases.refusal(vllm.__version__)
+        if refused is not None:
+            return self._disable(refused, key="release")
         try:
             importlib.import_module("vllm.model_executor.layers.attention")  # registers vllm::*attention* ops
 
-            from fusion_pass.vllm import attention_op
+            from fusion_pass.vllm.runtime import attention_op
 
             attention_op.register()
             vocab = vocabulary.vllm_vocabulary()
         except Exception as exc:
             return self._disable(f"vLLM vocabulary unavailable ({type(exc).__name__}: {exc})")
         from fusion_pass.compile.graph_pass import FusionPass
-        from fusion_pass.vllm.layer_check import leave_quantized
+        from fusion_pass.vllm.compile.layer_check import leave_quantized
 
         return FusionPass(self.patterns, vocabularies=(vocab,), leave_quantized=leave_quantized)
 
-    def _disable(self, reason: str):
+    def _disable(self, reason: str, key: str = "disabled"):
         self.disabled_reason = reason
-        logger.warning("fusion_pass: the fusion pass does not rewrite in this process: %s", reason)
+        notices.notice(key, f"the fusion pass does not rewrite in this process: {reason}")
         return None
 
     # -- InductorPass ---------------------------------------------------------------------------
@@ -114,20 +107,22 @@ class FusionPassForVllm(InductorPass):
         from fusion_pass.compile import layout, matcher
         from fusion_pass.patterns import attention_quant
         from fusion_pass.patterns import vocabulary as pattern_vocabulary
-        from fusion_pass.vllm import attention_op, fused_rows, guard
+        from fusion_pass.vllm.adapters import layer, registry
+        from fusion_pass.vllm.runtime import attention_op, fused_rows, guard
 
         h = hashlib.sha256()
         h.update(repr(self.patterns).encode())
         for module in (matcher, layout, attention_quant, pattern_vocabulary, vocabulary, attention_op, guard,
-                       fused_rows, layer_check, inspect.getmodule(FusionPassForVllm)):
+                       fused_rows, layer_check, layer, registry, releases, inspect.getmodule(FusionPassForVllm)):
             h.update(inspect.getsource(module).encode())
         h.update(f"vllm={vllm.__version__}".encode())
         return h.hexdigest()
 
     def __call__(self, graph) -> None:
-        self._warn_if_split()
+        self._check_config()
         fusion = self.fusion()
         if fusion is None:
+            self.write_report()
             return
         fusion(graph)
         last = fusion.graphs[-1]
@@ -146,21 +141,21 @@ class FusionPassForVllm(InductorPass):
                             detail[1] if detail else "no detail")
         self.write_report()
 
-    def _warn_if_split(self) -> None:
-        if self._warned_split:
+    def _check_config(self) -> None:
+        """Say why vLLM's current config keeps the pass from matching (attention as a splitting op:
+        :func:`fusion_pass.vllm.notices.check_config`), once a config is current. vLLM does not always set one
+        while Inductor compiles; the plugin's metadata-builder hook checks the worker's config too."""
+        if self._checked_config:
             return
-        self._warned_split = True
         try:
-            from vllm.config import get_current_vllm_config
+            from vllm.config import get_current_vllm_config_or_none
 
-            split = splitting_attention_ops(get_current_vllm_config().compilation_config)
-        except Exception:
+            config = get_current_vllm_config_or_none()
+        except ImportError:
             return
-        if split:
-            logger.warning(
-                "fusion_pass: attention is a splitting op (%s): vLLM compiles attention and the o_proj quant in "
-                "different graphs, so the fusion pass cannot match them. Set compilation_config "
-                "splitting_ops=[] or use_inductor_graph_partition=True.", ", ".join(split))
+        if config is not None:
+            self._checked_config = True
+            notices.check_config(config, fusion=self)
 
     # -- report -----------------------------------------------------------------------------------
 
@@ -172,7 +167,8 @@ class FusionPassForVllm(InductorPass):
         base = fusion.report() if fusion is not None else {
             "graphs": 0, "candidates": 0, "rewritten": 0, "refused": {}, "seconds": 0.0, "per_graph": [],
             "runtime": ops.runtime_counters()}
-        return {**base, "pid": os.getpid(), "vllm_version": vllm.__version__, "disabled_reason": self.disabled_reason}
+        return {**base, "pid": os.getpid(), "vllm_version": vllm.__version__, "disabled_reason": self.disabled_reason,
+                "notices": notices.notices()}
 
     def report_with_current_counters(self) -> dict:
         """The report of the last compiled graph with the run-time counters of now: what the report file holds
@@ -181,6 +177,7 @@ class FusionPassForVllm(InductorPass):
         from fusion_pass import ops
 
         base = self._graph_report if self._graph_report is not None else self.report()
+        base = {**base, "notices": notices.notices()}
         runtime = ops.runtime_counters(layers=list(base.get("rewritten_layers", [])))
         prefill = runtime["tokens"]["prefill"]
         return {**base, "runtime": runtime, "runtime_process": ops.runtime_counters(),
@@ -189,7 +186,7 @@ class FusionPassForVllm(InductorPass):
     def write_report(self) -> Path | None:
         """Under ``FUSION_PASS_DUMP=dir``: write :meth:`report` to ``dir/reports/vllm_report_<pid>.json`` and keep
         that file current with the run-time counters (rewritten within a quarter second after they change, and
-        at a normal exit: :class:`fusion_pass.vllm.report_file.ReportFile`). Called after each graph."""
+        at a normal exit: :class:`fusion_pass.vllm.compile.report_file.ReportFile`). Called after each graph."""
         directory = os.environ.get("FUSION_PASS_DUMP")
         if not directory:
             return None

@@ -10,7 +10,7 @@ namespace. Importing this module (``fusion_pass.vllm`` does) creates the one :da
 from __future__ import annotations
 
 import fusion_pass
-from fusion_pass.vllm.inductor_pass import FusionPassForVllm
+from fusion_pass.vllm.compile.inductor_pass import FusionPassForVllm
 
 __all__ = ["PASS"]
 

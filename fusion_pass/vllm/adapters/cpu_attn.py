@@ -27,7 +27,8 @@ import logging
 
 import torch
 
-from fusion_pass.vllm.host_rows import request_rows, requests_index
+from fusion_pass.vllm import releases
+from fusion_pass.vllm.adapters.host_rows import request_rows, requests_index, standard_rows
 
 __all__ = ["DECODE_METHODS", "CpuAttnAdapter", "probe_layout", "schedule_split"]
 
@@ -107,6 +108,11 @@ class CpuAttnAdapter:
 
     NAME = "CPU_ATTN"
     BUILDER = ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadataBuilder")
+    SPLITS_MIXED = False  # one launch attends every row of a call
+
+    @staticmethod
+    def rows(md, dcp_world_size: int):
+        return standard_rows(md, dcp_world_size)
 
     @staticmethod
     def block_size(kv_cache) -> int:
@@ -147,7 +153,7 @@ class CpuAttnAdapter:
         """(metadata of the decode requests alone, their rows), once per step."""
         memo = rows.memo.get(self.NAME)
         if memo is None:
-            from vllm import _custom_ops as ops
+            scheduler_metadata = releases.resolve("cpu_attn_get_scheduler_metadata")  # moved in 0.34
 
             impl, requests = layer.impl, rows.decode
             index = requests_index(requests, md.seq_lens.device)
@@ -158,7 +164,7 @@ class CpuAttnAdapter:
             sub.seq_lens = md.seq_lens[index]
             sub.block_table = md.block_table[index]
             sub.max_seq_len = max(rows.context_lens[r] for r in requests) + 1
-            sub.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            sub.scheduler_metadata = scheduler_metadata(
                 num_reqs=len(requests), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
                 head_dim=impl.head_size, seq_lens=sub.seq_lens, dtype=q.dtype, query_start_loc=sub.query_start_loc,
                 causal=md.causal, sliding_window_size=-1, isa=layer.isa, enable_kv_split=False,
@@ -166,8 +172,11 @@ class CpuAttnAdapter:
             memo = rows.memo[self.NAME] = (sub, request_rows(rows, requests, q.device), schedule_split(md))
         return memo
 
-    def run_decode(self, layer, md, rows, q, k, v, kv_cache, out) -> str:
-        """vLLM's attention of the decode rows into ``out [D, H, Dh]`` (query dtype); returns the method."""
+    def run_decode(self, layer, md, rows, inputs, kv_cache, out) -> str:
+        """vLLM's attention of the decode rows into ``out [D, H * Dh]`` (query dtype); ``inputs``: the call's
+        ``q [n, H, Dh]``, ``k``, ``v [n, Hk, Dh]``. Returns the method."""
+        q, k, v = inputs
+        out = out.view(out.shape[0], layer.num_heads, -1)
         sub, index, split = self._sub_batch(layer, md, rows, q)
         if split:
             n = rows.num_tokens

@@ -7,7 +7,7 @@ pass only retargets the call. ``output`` is the quant's packed uint8 ``[T, H*Dv/
 ``output_scale`` the global scale, ``output_block_scale`` the quant's int32 swizzled scale buffer.
 
 Per call, the op reads the layer, its attention metadata and its KV cache from vLLM's forward context, and the
-guard (:mod:`fusion_pass.vllm.guard`) decides row by row with the shared core,
+guard (:mod:`fusion_pass.vllm.runtime.guard`) decides row by row with the shared core,
 :func:`fusion_pass.runtime.guard.decide`, from host-side values only (no device read: the decision and the fallback
 can be captured in a CUDA graph). ``docs/vllm.md`` ("What runs, per call") lists what is fused and every reason for
 the exact fallback.
@@ -19,7 +19,7 @@ asks the guard per call, which keeps its decision per step for layers that read 
 (:func:`fusion_pass.runtime.counters.record`); the first call of each path is logged once.
 
 Fused (path ``"fused"``): every prefill row is written by the fused backend
-:func:`fusion_pass.runtime.backends.select_backend` picks (:func:`fusion_pass.vllm.fused_rows.run_fused`); decode
+:func:`fusion_pass.runtime.backends.select_backend` picks (:func:`fusion_pass.vllm.runtime.fused_rows.run_fused`); decode
 rows beside them are computed by vLLM (MLA: its ``forward_impl`` on rows ``[0, D)``; standard layers: the
 backend's adapter on the decode requests alone, :mod:`fusion_pass.vllm.adapters`) and quantized by the unfused
 graph's quant op into their rows (counted under ``decode_tokens`` in ``post_quantized``): byte-equal to the
@@ -42,9 +42,10 @@ import logging
 import torch
 
 from fusion_pass.runtime import counters, settings
-from fusion_pass.vllm import fused_rows
-from fusion_pass.vllm.adapters import install_host_hooks
-from fusion_pass.vllm.guard import decide, decide_rows, decode_only_decision, layer_name_of
+from fusion_pass.vllm import notices, releases
+from fusion_pass.vllm.runtime import fused_rows
+from fusion_pass.vllm.adapters.registry import install_host_hooks
+from fusion_pass.vllm.runtime.guard import decide, decide_rows, decode_only_decision, layer_name_of
 
 __all__ = ["register"]
 
@@ -122,11 +123,12 @@ class _Step:
             pass
 
 
-def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads) -> None:
+def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, extra=None) -> None:
     """One call. Per call, beyond vLLM's op and the quant op (the exact fallback) or the fused rows: the forward
     context's entry for the layer, the step kept on its metadata (a decode-only step's decision, taken once per
     step; otherwise the guard, whose decision is kept per step for layers that read alike), the count.
-    ``rest``: the arguments of vLLM's op after ``output_block_scale``, in its schema's order."""
+    ``rest``: the arguments of vLLM's op after ``output_block_scale``, in its schema's order; ``extra``: those of them
+    the fused MLA rows pass on to vLLM's ``forward_impl`` for the decode rows (by name)."""
     name = layer_name if type(layer_name) is str else layer_name_of(layer_name)
     md, layer, kv_cache = _context(name)
     if md is None:  # vLLM's profile and dummy runs
@@ -149,9 +151,9 @@ def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, 
     if decision.fused:  # the exact fallback calls vLLM's op, which runs the KV-connector hooks itself
         if _kv_transfer_utils().has_kv_transfer_group():
             _with_kv_transfer()(name, lambda: run_fused(decision.backend, md, layer, kv_cache, inputs, output,
-                                                         output_scale, output_block_scale))
+                                                         output_scale, output_block_scale, extra))
         else:  # what vLLM's hooks do without a KV connector: nothing
-            run_fused(decision.backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale)
+            run_fused(decision.backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
     else:
         _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step)
     counters.record(decision, name)
@@ -167,6 +169,10 @@ def _log_path(name, decision) -> None:
     if key in _logged:
         return
     _logged.add(key)
+    if key.startswith("no_decode_adapter:") or key in ("no_host_metadata", "no_backend"):  # every such call falls back
+        notices.notice(key, f"{name}: every call with prefill rows takes the exact fallback ({key}): "
+                            f"{decision.detail or 'no detail'}")
+        return
     what = f"fused with backend {decision.backend}" if decision.fused else f"fell back ({decision.reason})"
     logger.info("fusion_pass: %s: attention + NVFP4 quant %s: %s; further calls are only counted",
                 name, what, decision.detail or "no detail")
@@ -202,15 +208,20 @@ def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block
 
 
 def register() -> None:
-    """Define the two ops (idempotent). Needs vLLM (its ``LayerNameType`` and op registration helper)."""
+    """Define the two ops (idempotent), with the schemas of the installed vLLM release's ops (0.34's MLA op has
+    ``mqa_q_prepared``). Needs a supported vLLM (:mod:`fusion_pass.vllm.releases`; raises ``RuntimeError`` with the
+    gate's reason otherwise)."""
     global _lib
     if _lib is not None:
         return
+    release = releases.current()
+    if release is None:
+        raise RuntimeError(f"fusion_pass.vllm: {releases.refusal()}")
     from vllm.utils.torch_utils import LayerNameType, direct_register_custom_op
 
     import fusion_pass.ops  # noqa: F401  (the fusion_pass library and its quant op)
 
-    install_host_hooks()  # standard backends' metadata keeps its batch's host copies (fusion_pass.vllm.host_rows)
+    install_host_hooks()  # standard backends' metadata keeps its batch's host copies (fusion_pass.vllm.adapters.host_rows)
     standard_op = torch.ops.vllm.unified_attention_with_output.default
     mla_op = torch.ops.vllm.unified_mla_attention_with_output.default
 
@@ -246,13 +257,39 @@ def register() -> None:
              (kv_cache_dummy_dep, quant_group_size, quant_scale_ue8m0, quant_col_major, quant_tma_aligned,
               q_dcp_replicated), None)
 
+    def vllm_mla_attention_nvfp4_with_mqa_q_prepared(  # 0.34's schema: mqa_q_prepared, a decode query made by the model
+        q: torch.Tensor,
+        kv_c_normed: torch.Tensor,
+        k_pe: torch.Tensor,
+        output: torch.Tensor,
+        layer_name: LayerNameType,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+        kv_cache_dummy_dep: torch.Tensor | None = None,
+        quant_group_size: int | None = None,
+        quant_scale_ue8m0: bool | None = None,
+        quant_col_major: bool | None = None,
+        quant_tma_aligned: bool | None = None,
+        q_dcp_replicated: torch.Tensor | None = None,
+        mqa_q_prepared: torch.Tensor | None = None,
+    ) -> None:
+        _run(mla_op, (q, kv_c_normed, k_pe), output, layer_name, output_scale, output_block_scale,
+             (kv_cache_dummy_dep, quant_group_size, quant_scale_ue8m0, quant_col_major, quant_tma_aligned,
+              q_dcp_replicated, mqa_q_prepared), None, {"mqa_q_prepared": mqa_q_prepared})
+
+    mla_forms = {(): vllm_mla_attention_nvfp4, ("mqa_q_prepared",): vllm_mla_attention_nvfp4_with_mqa_q_prepared}
+    extra_args = release.mla_op_extra_args
+    if extra_args not in mla_forms:
+        raise RuntimeError(f"fusion_pass.vllm: no fused MLA op for vLLM {release.line}.x's extra arguments {extra_args}")
+    mla_fn = mla_forms[extra_args]
+
     def _fake(*args, **kwargs) -> None:
         return None
 
     lib = torch.library.Library("fusion_pass", "FRAGMENT")
-    for fn in (vllm_attention_nvfp4, vllm_mla_attention_nvfp4):
-        if hasattr(torch.ops.fusion_pass, fn.__name__):  # defined by an earlier copy of this module
+    for name, fn in (("vllm_attention_nvfp4", vllm_attention_nvfp4), ("vllm_mla_attention_nvfp4", mla_fn)):
+        if hasattr(torch.ops.fusion_pass, name):  # defined by an earlier copy of this module
             continue
-        direct_register_custom_op(fn.__name__, fn, mutates_args=["output", "output_block_scale"],
+        direct_register_custom_op(name, fn, mutates_args=["output", "output_block_scale"],
                                   fake_impl=_fake, target_lib=lib, dispatch_key="CompositeExplicitAutograd")
     _lib = lib

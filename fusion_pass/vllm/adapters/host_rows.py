@@ -30,11 +30,12 @@ import torch
 from fusion_pass.kernels.host_copy import to_device
 from fusion_pass.runtime import guard
 
-__all__ = ["StepRows", "attach", "decode_only_tokens", "device_index", "install_build_hook", "mla_rows", "request_rows", "requests_index",
+__all__ = ["StepRows", "attach", "block_table", "decode_only_tokens", "device_index", "install_build_hook", "mla_rows", "request_rows", "requests_index",
            "standard_rows"]
 
 _ROWS = "_fusion_pass_rows"   # the StepRows kept on a metadata object
 _HOST = "_fusion_pass_host"   # (query_start_loc, seq_lens) host lists kept by the build hook
+_BLOCK_TABLE = "_fusion_pass_block_table"  # the batch's block table, kept by the build hook where md has none
 
 
 class StepRows:
@@ -126,7 +127,7 @@ def decode_only_tokens(md) -> int | None:
     when the batch may have a prefill row: MLA metadata without prefills (``num_decode_tokens``), standard
     metadata with ``max_query_len <= 1`` (the real tokens from the build hook's host copy of ``query_start_loc``
     where kept, else ``num_actual_tokens``)."""
-    if hasattr(md, "num_decode_tokens") and hasattr(md, "num_prefills") and hasattr(md, "prefill"):  # MLA
+    if hasattr(md, "num_decode_tokens") and hasattr(md, "num_prefills") and hasattr(md, "prefill"):  # MLA, FlashInfer
         return int(md.num_decode_tokens) if not md.num_prefills or md.prefill is None else None
     if getattr(md, "max_query_len", 2) > 1:
         return None
@@ -171,16 +172,29 @@ def mla_rows(md, dcp_world_size: int = 1) -> StepRows | None:
 
 def attach(md, common) -> None:
     """Keep the host copies of ``common`` (vLLM's ``CommonAttentionMetadata``: ``query_start_loc_cpu``,
-    ``seq_lens_cpu_upper_bound``, ``num_reqs``) on the backend metadata ``md`` built from it. Nothing is kept
-    when ``common`` has no host copy of the sequence lengths."""
+    ``seq_lens_cpu_upper_bound``, ``num_reqs``) on the backend metadata ``md`` built from it, and for metadata
+    without a ``block_table`` of its own (FlashInfer's) a reference to the batch's block table
+    (``block_table_tensor``, a device tensor; not read here: :func:`block_table`). Nothing is kept when ``common``
+    has no host copy of the sequence lengths."""
     qsl, seq_lens = getattr(common, "query_start_loc_cpu", None), getattr(common, "seq_lens_cpu_upper_bound", None)
     if not isinstance(qsl, torch.Tensor) or not isinstance(seq_lens, torch.Tensor):
         return
     n = int(common.num_reqs)
     try:
         setattr(md, _HOST, (qsl[: n + 1].tolist(), seq_lens[:n].tolist()))
+        table = getattr(common, "block_table_tensor", None)
+        if getattr(md, "block_table", None) is None and isinstance(table, torch.Tensor):
+            setattr(md, _BLOCK_TABLE, table)
     except AttributeError:
         pass
+
+
+def block_table(md):
+    """The batch's block table ``[num_reqs, max_blocks]`` (request ``i``'s ``j``-th block): the metadata's own
+    ``block_table`` (FLASH_ATTN, CPU_ATTN), else the one the build hook kept (:func:`attach`; FlashInfer's
+    metadata holds only per-phase slices or planned page lists), else None."""
+    table = getattr(md, "block_table", None)
+    return table if table is not None else getattr(md, _BLOCK_TABLE, None)
 
 
 @functools.lru_cache(maxsize=None)

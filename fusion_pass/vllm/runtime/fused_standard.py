@@ -1,19 +1,19 @@
 """The fused call of a standard (non-MLA) vLLM attention layer: every prefill row by the fused backend, every decode
 row by vLLM's own backend on the decode requests alone, quantized by the unfused graph's quant op.
 
-Rows are the batch's in vLLM's request order (:class:`fusion_pass.vllm.host_rows.StepRows`; standard backends do
-not reorder decode requests first, so decode and prefill rows may interleave):
+Rows are the batch's in vLLM's request order (:class:`fusion_pass.vllm.adapters.host_rows.StepRows`; FLASH_ATTN and
+CPU_ATTN do not reorder decode requests first, so decode and prefill rows may interleave; FLASHINFER does):
 
 1. Prefill rows through :func:`fusion_pass.runtime.row_plan.run_prefills` (as for MLA and the project's runtime):
    queries, keys and values of the new tokens from the op's inputs, and for prefills with cached context their
    context read from vLLM's paged KV cache through the block table in the backend's layout
-   (:func:`fusion_pass.vllm.adapters.context_source`): within the context workspace bound one call over context +
+   (:func:`fusion_pass.vllm.adapters.registry.context_source`): within the context workspace bound one call over context +
    new keys, beyond it context chunks merged into NVFP4. When the prefill rows are one run of adjacent rows they are
    written in place (``first_row`` = the run's first row); otherwise they are gathered, written into temporaries and
    their bytes copied into their rows.
 2. Decode rows: the backend adapter runs vLLM's attention on the decode requests (``adapter.run_decode``) into a
    temporary of the query dtype, quantized by the unfused graph's quant op; their bytes go into their rows and no
-   other (:func:`fusion_pass.vllm.nvfp4_rows.write_rows`), after step 1, whose entry point may zero scale bytes of a
+   other (:func:`fusion_pass.vllm.runtime.nvfp4_rows.write_rows`), after step 1, whose entry point may zero scale bytes of a
    128-row tile that decode rows share.
 3. Rows past the batch's (vLLM's padding) are zeroed.
 """
@@ -24,16 +24,17 @@ import torch
 
 from fusion_pass import nvfp4
 from fusion_pass.runtime import row_plan
-from fusion_pass.vllm.adapters import adapter_for, context_source
-from fusion_pass.vllm.host_rows import device_index, request_rows
-from fusion_pass.vllm.nvfp4_rows import copy_rows, nvfp4_rows, write_rows, zero_padding
+from fusion_pass.vllm.adapters.paged import context_source
+from fusion_pass.vllm.adapters.registry import adapter_for
+from fusion_pass.vllm.adapters.host_rows import device_index, request_rows
+from fusion_pass.vllm.runtime.nvfp4_rows import copy_rows, nvfp4_rows, write_rows, zero_padding
 
 __all__ = ["run_fused_standard"]
 
 
 def run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, rows) -> None:
     """A standard layer's call with at least one prefill row (module docstring); ``rows`` its
-    :class:`~fusion_pass.vllm.host_rows.StepRows`."""
+    :class:`~fusion_pass.vllm.adapters.host_rows.StepRows`."""
     adapter, name = adapter_for(layer)
     if adapter is None:  # the guard refuses such layers (no_decode_adapter)
         raise RuntimeError(f"run_fused_standard: vLLM attention backend {name} has no adapter")
@@ -62,8 +63,8 @@ def run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scal
                               output_block_scale=part_scales, **common)
         copy_rows(part_packed, part_scales.view(-1), packed, scale_bytes, index)
     if rows.decode:
-        out = torch.empty(len(rows.decode), heads, d, dtype=q.dtype, device=q.device)
-        adapter.run_decode(layer, md, rows, q, k, v, kv_cache, out)
-        write_rows(out.view(out.shape[0], -1), output_scale, packed, scale_bytes,
+        out = torch.empty(len(rows.decode), heads * d, dtype=q.dtype, device=q.device)
+        adapter.run_decode(layer, md, rows, (q, k, v), kv_cache, out)
+        write_rows(out, output_scale, packed, scale_bytes,
                    request_rows(rows, rows.decode, q.device), output_block_scale.dtype)
     zero_padding(packed, scale_bytes, n)

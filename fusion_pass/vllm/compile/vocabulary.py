@@ -100,7 +100,7 @@ def vllm_vocabulary() -> OpVocabulary | None:
         return op
 
     hint_vllm = "import vllm.model_executor.layers.attention first; is this a vLLM release with these ops?"
-    hint_ours = "call fusion_pass.vllm.attention_op.register() first (the vLLM plugin does)"
+    hint_ours = "call fusion_pass.vllm.runtime.attention_op.register() first (the vLLM plugin does)"
     c_quant = _maybe("_C", "scaled_fp4_quant", "out")
     if _maybe("_C", "cutlass_scaled_fp4_mm", "default") is None:  # the rule of the run-time fallback's quant_op
         c_quant = None                                              # (fusion_pass.vllm): the same quant, same bytes

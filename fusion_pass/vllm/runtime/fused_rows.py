@@ -1,8 +1,9 @@
 """The fused rows of a vLLM call: :func:`run_fused` takes a call the guard fused to the standard layers' path
-(:func:`fusion_pass.vllm.fused_standard.run_fused_standard`) or to MLA's (here: decode rows computed by vLLM's own
+(:func:`fusion_pass.vllm.runtime.fused_standard.run_fused_standard`) or to MLA's (here: decode rows computed by vLLM's own
 ``forward_impl`` and quantized by the unfused graph's quant op).
 
-MLA: vLLM orders a batch's ``D = num_decode_tokens`` decode rows first, then the prefills. The prefill rows
+MLA (:mod:`fusion_pass.vllm.adapters.mla`): vLLM orders a batch's ``D = num_decode_tokens`` decode rows first, then
+the prefills. The prefill rows
 ``[D, num_actual_tokens)`` go through :func:`fusion_pass.runtime.row_plan.run_prefills`, keys and values
 expanded from ``kv_c_normed`` through the layer's ``kv_b_proj`` with ``k_pe`` broadcast to every head, as vLLM's
 MLA prefill does; prefills with cached context also attend to their context, read from the paged latent cache
@@ -13,20 +14,23 @@ MLA prefill does; prefills with cached context also attend to their context, rea
 import torch
 
 from fusion_pass.runtime import backends, row_plan
-from fusion_pass.vllm.fused_standard import run_fused_standard
-from fusion_pass.vllm.guard import is_mla, step_rows
-from fusion_pass.vllm.host_rows import device_index, mla_rows
-from fusion_pass.vllm.nvfp4_rows import nvfp4_rows, quant_op, write_rows, zero_padding
+from fusion_pass.vllm.adapters import registry
+from fusion_pass.vllm.adapters.host_rows import device_index, mla_rows
+from fusion_pass.vllm.runtime.fused_standard import run_fused_standard
+from fusion_pass.vllm.runtime.guard import is_mla, step_rows
+from fusion_pass.vllm.runtime.nvfp4_rows import nvfp4_rows, quant_op, write_rows, zero_padding
 
 __all__ = ["quant_op", "run_fused"]
 
 
-def run_fused(backend_name: str, md, layer, kv_cache, inputs, output, output_scale, output_block_scale) -> None:
+def run_fused(backend_name: str, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
+              extra: dict | None = None) -> None:
     """The fused backend on the call's prefill rows, the other rows as the unfused graph writes them, rows past the
-    batch's zeroed (MLA: :func:`_run_fused_mla`; standard layers: :func:`run_fused_standard`)."""
+    batch's zeroed (MLA: :func:`_run_fused_mla`; standard layers: :func:`run_fused_standard`). ``extra``: the MLA
+    op's arguments its decode rows pass on to vLLM's ``forward_impl`` (0.34's ``mqa_q_prepared``)."""
     backend = backends.get_backend(backend_name)
     if is_mla(layer):
-        _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale)
+        _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
     else:
         run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
                            step_rows(md, layer))
@@ -88,7 +92,8 @@ def _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, first_row: int, context_le
     return k, v, context
 
 
-def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale) -> None:
+def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
+                   extra=None) -> None:
     """An MLA call with at least one prefill row: the prefills (rows ``[D, n)``, ``n = num_actual_tokens``)
     through :func:`fusion_pass.runtime.row_plan.run_prefills` first (its entry point may zero scale bytes of the
     last 128-row tile, which decode rows may share), then the decode rows ``[0, D)``
@@ -103,7 +108,8 @@ def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, o
                           context=context, softmax_scale=float(layer.scale),
                           output=packed[:n], output_scale=output_scale, output_block_scale=scales)
     if decode:
-        _run_decode_rows(layer, md, kv_cache, inputs, decode, output_scale, packed, scale_bytes, output_block_scale)
+        _run_decode_rows(layer, md, kv_cache, (*inputs, extra or {}), decode, output_scale, packed, scale_bytes,
+                         output_block_scale)
     zero_padding(packed, scale_bytes, n)
 
 
@@ -111,12 +117,13 @@ def _run_decode_rows(layer, md, kv_cache, inputs, decode: int, output_scale, pac
                      output_block_scale) -> None:
     """Rows ``[0, D)`` of an MLA call exactly as the unfused graph writes them.
 
-    vLLM's ``forward_impl`` on the decode rows only (its MQA part; :data:`FORWARD_IMPL_STRUCTURE`) into a
+    vLLM's ``forward_impl`` on the decode rows only (its MQA part: :meth:`fusion_pass.vllm.adapters.mla.MlaAdapter
+    .run_decode`) into a
     ``[D, H*Dv]`` temporary of the query dtype, quantized by the unfused graph's quant op and copied into rows
-    ``[0, D)`` (:func:`fusion_pass.vllm.nvfp4_rows.write_rows`: no byte of another row of a shared 128-row tile is
+    ``[0, D)`` (:func:`fusion_pass.vllm.runtime.nvfp4_rows.write_rows`: no byte of another row of a shared 128-row tile is
     written). Quantization is per row, so the bytes equal the unfused graph's rows ``[0, D)``.
     """
-    q, kv_c_normed, k_pe = (t[:decode] for t in inputs)
+    q = inputs[0]
     tmp = torch.empty(decode, packed.shape[1] * 2, dtype=q.dtype, device=q.device)
-    layer.forward_impl(q, kv_c_normed, k_pe, kv_cache, md, output=tmp)
+    registry.MLA.run_decode(layer, md, None, inputs, kv_cache, tmp)
     write_rows(tmp, output_scale, packed, scale_bytes, slice(0, decode), output_block_scale.dtype)

@@ -7,21 +7,21 @@ retargets such a call to its fused op only where the fused call can run for the 
 guard always refuses, the retargeted call would take the exact fallback (vLLM's attention into a temporary, then a
 separate quant) on every call, slower than what vLLM's fusion left. :func:`leave_quantized` says which, from the
 layer as vLLM built it (vLLM's static forward context: the layer objects by name, set before any graph is
-compiled), read with the run-time guard's own checks (:class:`fusion_pass.vllm.guard.LayerInfo`):
+compiled), read with the run-time guard's own checks (:class:`fusion_pass.vllm.adapters.layer.LayerInfo`):
 
 * ``quantized_kv_cache``: the layer's KV cache is quantized (``kv_cache_dtype`` fp8 and the like; the fused
   kernels read unquantized keys and values): the case vLLM's standard-attention fusion is registered for;
 * ``layer_not_supported``: anything else the fused kernels do not compute (sliding window, ALiBi, soft-cap, sparse
   MLA, ...);
-* ``no_decode_adapter:<BACKEND>``: a standard layer on a vLLM attention backend without an adapter (FlashInfer, the
-  backend of vLLM's standard-attention fusion), whose calls with prefill rows all fall back.
+* ``no_decode_adapter:<BACKEND>``: a standard layer on a vLLM attention backend without an adapter (TRITON_ATTN,
+  FLEX_ATTENTION, ...), whose calls with prefill rows all fall back.
 
 A call whose layer cannot be found is retargeted, and the run-time guard decides as for any other.
 """
 
 from __future__ import annotations
 
-from fusion_pass.vllm.guard import LayerInfo, quantized_kv_cache
+from fusion_pass.vllm.adapters.layer import LayerInfo, quantized_kv_cache
 
 __all__ = ["compile_time_layer", "describe", "leave_quantized", "why_left"]
 

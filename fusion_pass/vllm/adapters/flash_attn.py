@@ -7,7 +7,7 @@ Metadata (``FlashAttentionMetadata``): ``num_actual_tokens``, ``max_query_len``,
 ``max_seq_len``, ``seq_lens``, ``block_table``, ``slot_mapping`` (device tensors), FA3's ahead-of-time schedule
 ``scheduler_metadata`` and ``max_num_splits``, ``causal``, and fields of features the adapter refuses (DCP,
 PrefixLM ranges ``mm_prefix_query_range_tensor``, R-SWA ``rswa_prefix_lens``). The builder keeps no host copy of
-the batch: the host rows come from the build hook (:func:`fusion_pass.vllm.host_rows.install_build_hook`).
+the batch: the host rows come from the build hook (:func:`fusion_pass.vllm.adapters.host_rows.install_build_hook`).
 
 * Cache: the layer's cache is logically ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (any physical
   stride order); ``FlashAttentionImpl.forward`` reads it as ``kv_cache.transpose(1, 2).split(head_size, -1)``:
@@ -31,7 +31,7 @@ import copy
 
 import torch
 
-from fusion_pass.vllm.host_rows import request_rows, requests_index
+from fusion_pass.vllm.adapters.host_rows import request_rows, requests_index, standard_rows
 
 __all__ = ["FlashAttnAdapter"]
 
@@ -41,6 +41,11 @@ class FlashAttnAdapter:
 
     NAME = "FLASH_ATTN"
     BUILDER = ("vllm.v1.attention.backends.flash_attn", "FlashAttentionMetadataBuilder")
+    SPLITS_MIXED = False  # one launch attends every row of a call
+
+    @staticmethod
+    def rows(md, dcp_world_size: int):
+        return standard_rows(md, dcp_world_size)
 
     @staticmethod
     def block_size(kv_cache) -> int:
@@ -89,8 +94,11 @@ class FlashAttnAdapter:
             memo = rows.memo[self.NAME] = (sub, request_rows(rows, requests, q.device))
         return memo
 
-    def run_decode(self, layer, md, rows, q, k, v, kv_cache, out) -> str:
-        """vLLM's attention of the decode rows into ``out [D, H, Dh]`` (query dtype); returns the method."""
+    def run_decode(self, layer, md, rows, inputs, kv_cache, out) -> str:
+        """vLLM's attention of the decode rows into ``out [D, H * Dh]`` (query dtype); ``inputs``: the call's
+        ``q [n, H, Dh]``, ``k``, ``v [n, Hk, Dh]``. Returns the method."""
+        q, k, v = inputs
+        out = out.view(out.shape[0], layer.num_heads, -1)
         sub, index = self._sub_batch(md, rows, q)
         layer.impl.forward(layer, q[index], k[index], v[index], kv_cache, sub, output=out)
         return "sub_batch"

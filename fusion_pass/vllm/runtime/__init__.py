@@ -1,0 +1,3 @@
+"""The vLLM integration at run time, per attention call: the ops the rewritten graph calls (:mod:`.attention_op`),
+the guard over vLLM's metadata (:mod:`.guard`), and the fused rows of MLA and standard layers (:mod:`.fused_rows`,
+:mod:`.fused_standard`, :mod:`.nvfp4_rows`). Imports no vLLM at module level (tests run without vLLM)."""
