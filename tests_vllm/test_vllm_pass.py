@@ -56,6 +56,25 @@ def test_vllm_vocabulary_names_vllm_ops_and_our_run_time_ops():
                [(a.name, str(a.type)) for a in theirs._schema.arguments]
 
 
+@pytest.mark.parametrize("module", ["fusion_pass.compile.layout", "fusion_pass.compile.matcher",
+                                    "fusion_pass.vllm.compile.vocabulary", "fusion_pass.vllm.releases",
+                                    "fusion_pass.vllm.adapters.layer", "fusion_pass.vllm.runtime.attention_op"])
+def test_the_vllm_pass_uuid_shares_the_compile_time_source_list_and_adds_its_own(monkeypatch, module):
+    from fusion_pass.compile import code_hash
+
+    names = dict(code_hash.source_files(code_hash.COMPILE_TIME + pass_.VLLM_COMPILE_TIME))
+    before = FusionPassForVllm().uuid()
+    read = code_hash._read
+    monkeypatch.setattr(code_hash, "_read", lambda p: read(p) + (b"\n# changed\n" if p == names[module] else b""))
+    code_hash.code_digest.cache_clear()
+    try:
+        assert FusionPassForVllm().uuid() != before
+    finally:
+        monkeypatch.undo()
+        code_hash.code_digest.cache_clear()
+    assert FusionPassForVllm().uuid() == before
+
+
 @pytest.mark.parametrize("version, line", [("0.32.0", "0.32"), ("0.32.1+cpu", "0.32"), ("0.33.0", "0.33"),
                                            ("0.33.2+cu130", "0.33"), ("0.34.0", "0.34"), ("0.34", "0.34"),
                                            ("0.31.9", None), ("0.35.0", None), ("0.340.0", None), ("1.0.0", None)])

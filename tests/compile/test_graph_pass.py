@@ -629,6 +629,41 @@ def test_uuid_changes_with_the_pattern_set_and_is_stable():
     assert FusionPass(patterns=(PATTERNS[1],)).uuid() not in (default, mla_only)
 
 
+@pytest.mark.parametrize("module", ["fusion_pass.compile.layout", "fusion_pass.compile.matcher",
+                                    "fusion_pass.compile.graph_pass", "fusion_pass.patterns.attention_quant",
+                                    "fusion_pass.patterns.vocabulary", "fusion_pass.ops.library",
+                                    "fusion_pass.nvfp4.layout"])
+def test_uuid_changes_with_the_code_of_every_compile_time_module(monkeypatch, module):
+    """An upgrade that changes how graphs are matched, proved or rewritten gets a new FX-graph-cache key."""
+    from fusion_pass.compile import code_hash
+
+    assert module in dict(code_hash.source_files(code_hash.COMPILE_TIME))
+    before = FusionPass().uuid()
+    read = code_hash._read
+    path = dict(code_hash.source_files(code_hash.COMPILE_TIME))[module]
+    monkeypatch.setattr(code_hash, "_read", lambda p: read(p) + (b"\n# changed\n" if p == path else b""))
+    code_hash.code_digest.cache_clear()
+    try:
+        assert FusionPass().uuid() != before
+    finally:
+        monkeypatch.undo()
+        code_hash.code_digest.cache_clear()
+    assert FusionPass().uuid() == before
+
+
+def test_uuid_changes_with_the_package_version(monkeypatch):
+    from fusion_pass.compile import code_hash
+
+    before = FusionPass().uuid()
+    monkeypatch.setattr(code_hash, "_version", lambda: "99.0")
+    code_hash.code_digest.cache_clear()
+    try:
+        assert FusionPass().uuid() != before
+    finally:
+        monkeypatch.undo()
+        code_hash.code_digest.cache_clear()
+
+
 def test_enable_as_a_function_installs_and_disable_restores(make_block):
     with inductor_config.patch(post_grad_custom_post_pass=None):
         _enable_disable(make_block)

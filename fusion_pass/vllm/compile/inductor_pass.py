@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import inspect
 import logging
 import os
 import threading
@@ -29,9 +28,15 @@ import vllm
 from vllm.compilation.passes.inductor_pass import InductorPass
 
 from fusion_pass.vllm import notices, releases
+from fusion_pass.compile import code_hash
 from fusion_pass.vllm.compile import layer_check, report_file, vocabulary
 
 logger = logging.getLogger("vllm.fusion_pass")
+
+VLLM_COMPILE_TIME = ("fusion_pass.vllm.compile", "fusion_pass.vllm.releases", "fusion_pass.vllm.adapters",
+                     "fusion_pass.vllm.runtime.attention_op")
+"""What the rewrite of a vLLM graph depends on beyond every pass's code: the vocabulary and the pass, the layer check
+and what it reads of a layer (the adapters), the release table, the schemas of the ops the rewrite calls."""
 
 SUPPORTED_VLLM_VERSIONS = tuple(f"{r.line}." for r in releases.RELEASES)
 """Prefixes of the supported vLLM releases (:data:`fusion_pass.vllm.releases.RELEASES`)."""
@@ -102,19 +107,12 @@ class FusionPassForVllm(InductorPass):
     # -- InductorPass ---------------------------------------------------------------------------
 
     def uuid(self) -> str:
-        """Stable across processes: pattern set and code, matcher and layout proofs, the vocabularies, this adapter
-        (the graph it builds), vLLM version."""
-        from fusion_pass.compile import layout, matcher
-        from fusion_pass.patterns import attention_quant
-        from fusion_pass.patterns import vocabulary as pattern_vocabulary
-        from fusion_pass.vllm.adapters import layer, registry
-        from fusion_pass.vllm.runtime import attention_op, fused_rows, guard
-
+        """Stable across processes: the pattern names, the code every pass's rewrite depends on plus this
+        integration's (:data:`VLLM_COMPILE_TIME`; :func:`fusion_pass.compile.code_hash.code_digest`, with the
+        package version), and the vLLM version."""
         h = hashlib.sha256()
         h.update(repr(self.patterns).encode())
-        for module in (matcher, layout, attention_quant, pattern_vocabulary, vocabulary, attention_op, guard,
-                       fused_rows, layer_check, layer, registry, releases, inspect.getmodule(FusionPassForVllm)):
-            h.update(inspect.getsource(module).encode())
+        h.update(code_hash.code_digest(VLLM_COMPILE_TIME).encode())
         h.update(f"vllm={vllm.__version__}".encode())
         return h.hexdigest()
 
