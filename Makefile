@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-vllm test-vllm-conformance venv clean
+.PHONY: demo test test-vllm test-vllm-conformance check-vllm-env venv clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ test-vllm: $(VLLM_VENV)/.installed
 # One release: make test-vllm-conformance FUSION_PASS_VLLM_RELEASES=0.34.0
 test-vllm-conformance: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider tests_vllm_conformance
+
+# vLLM's CUDA build and this project's fa4 extra in one environment: pip's resolver on metadata (dry run; network,
+# no GPU; nothing installed here; about a minute per release). FUSION_PASS_VLLM_RELEASES picks the releases.
+check-vllm-env: $(VENV)/.installed
+	FUSION_PASS_VLLM_RELEASES="$${FUSION_PASS_VLLM_RELEASES:-0.32.0,0.33.0,0.34.0}" \
+		$(PY) -m pytest -q -p no:cacheprovider -s tests_vllm_env
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

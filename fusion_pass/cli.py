@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 DESCRIPTION = """\
 attn-nvfp4-fusion: fuse attention -> NVFP4 quant -> o_proj under torch.compile.
@@ -20,8 +22,9 @@ commands:
             without vs with the pass on the prefill batches, and the speedup.
             Progress lines (one per model and phase) go to stderr (--quiet:
             none); the results go to stdout.
-  dump      the same run with graph dumps on: per compiled graph the post-grad
-            graph before/after the pass, the match report, and depyf's dump.
+  dump      the same run with graph dumps on, in a new folder per run
+            (DIR/run_NNN_pid<PID>/): per compiled graph the post-grad graph
+            before/after the pass, the match report, and depyf's dump.
   backends  list the fused-attention backends and why each is (un)available.
   report    add up the pass reports that vLLM's processes wrote (FUSION_PASS_DUMP).
   selftest  the first thing to run on a new GPU: run each fused backend's canary
@@ -29,8 +32,12 @@ commands:
             pair of its kernels on this GPU, in bf16 and fp16; time a few
             prefill shapes fused vs FA4 + quant and cuDNN + quant; one verdict
             per backend (correct / FAILED, faster / slower). Exit code 1 when a
-            canary fails, 3 when none could run on the GPU. Without CUDA it
-            says what it would check (--json).
+            canary fails, 3 when none could run on the GPU or the --device asked
+            for is not here. Without CUDA (and no --device cuda) it says what it
+            would check (--json).
+
+Every command checks its options and the FUSION_PASS_* environment variables
+before any work: a bad one is one line on stderr naming it, and exit code 2.
 """
 
 SELFTEST_DESCRIPTION = """\
@@ -64,18 +71,40 @@ What it costs:
   check and why it cannot.
 
 Exit codes:
-  0  every canary passed (without a CUDA device: nothing ran; timings never fail the run)
+  0  every canary passed (no --device given and no CUDA device, or --device cpu: nothing ran, it says what it
+     would check; timings never fail the run)
   1  a canary FAILED: that backend's fused kernel is wrong on this GPU (the run time disables it)
-  2  bad arguments
+  2  bad arguments or a bad FUSION_PASS_* environment variable (one line naming it)
   3  a CUDA device, but no canary could run on it (no available backend has one: e.g. the fa4 extra is
-     missing, or no kernel of this project for the GPU): nothing was checked
+     missing, or no kernel of this project for the GPU): nothing was checked; or --device cuda / cuda:N asked
+     for a device this machine does not have (no CUDA, or N >= the device count): one line saying so (--json:
+     "passed": false and the reason), nothing was checked
 """
 
 
 def _device(value: str) -> str:
-    if value not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"--device must be 'cpu' or 'cuda', got {value!r}")
-    return value
+    """An argparse type, the one ``--device`` grammar of every command: ``cpu``, ``cuda`` or ``cuda:N``. Whether
+    the machine has that device is each command's check (:func:`_missing_device`), not a usage error here."""
+    kind, colon, index = value.partition(":")
+    if value == "cpu" or (kind == "cuda" and (not colon or index.isdigit())):
+        return value
+    raise argparse.ArgumentTypeError(f"--device must be cpu, cuda or cuda:N, got {value!r}")
+
+
+def _missing_device(device: str | None) -> str | None:
+    """Why ``device`` (a :func:`_device` value) is not on this machine, or None when it is (or is the CPU)."""
+    if device is None or not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"--device {device} was asked for but torch sees no CUDA device"
+    index = torch.device(device).index
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        return (f"--device {device} was asked for but this machine has {count} CUDA device(s) "
+                f"(cuda:0 to cuda:{count - 1})")
+    return None
 
 
 def _integer_at_least(minimum: int, what: str):
@@ -97,22 +126,10 @@ _positive = _integer_at_least(1, "positive")
 _non_negative = _integer_at_least(0, "non-negative")
 
 
-def _any_device(value: str) -> str:
-    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (N below the device count where CUDA runs)."""
-    import torch
-
-    kind, _, index = value.partition(":")
-    if value == "cpu" or (kind == "cuda" and (not index or index.isdigit())):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if index and count and int(index) >= count:
-            raise argparse.ArgumentTypeError(f"{value!r}: this machine has {count} CUDA device(s)")
-        return value
-    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {value!r}")
-
-
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=("mla", "gqa", "all"), default="all", help="which demo model (default: all)")
-    parser.add_argument("--device", type=_device, default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--device", type=_device, default="cpu",
+                        help="cpu, cuda (the current CUDA device) or cuda:N (default: cpu)")
     parser.add_argument("--layers", type=_positive, default=2, help="attention layers per model (default: 2)")
     parser.add_argument("--tiny", action="store_true", help="small dimensions instead of the real ones (fast)")
     parser.add_argument("--quiet", "-q", action="store_true",
@@ -131,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
         "TP=8, and a Llama-3-8B-style GQA stack), compiled with and without the fusion pass.",
     )
     _add_run_arguments(demo)
-    demo.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    demo.add_argument("--json", metavar="PATH",
+                      help="also write the results as JSON to PATH (its directory must exist and be writable; checked "
+                      "before the run)")
     demo.add_argument(
         "--time", action=argparse.BooleanOptionalAction, default=None,
         help="time the whole compiled attention stack without vs with the pass on each prefill batch and print "
@@ -144,10 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     dump = commands.add_parser(
         "dump",
         help="run the demo with graph dumps written to a directory",
-        description="Run the demo with fusion_pass.compile.debug.dump(DIR): per compiled graph graph_NNN_before.py, "
-        "graph_NNN_after.py, graph_NNN_report.json, and depyf's artifacts under DIR/depyf.",
+        description="Run the demo with fusion_pass.compile.debug.dump(DIR), in a new folder for this run, "
+        "DIR/run_NNN_pid<PID>/ (a reused DIR never mixes runs): per compiled graph graph_NNN_before.py, "
+        "graph_NNN_after.py, graph_NNN_report.json, and depyf's artifacts under depyf/.",
     )
-    dump.add_argument("--out", metavar="DIR", required=True, help="directory for the dumps (created if missing)")
+    dump.add_argument("--out", metavar="DIR", required=True,
+                      help="directory for the dumps (created if missing; must be writable; each run writes a new "
+                      "run_NNN_pid<PID>/ in it)")
     _add_run_arguments(dump)
     commands.add_parser("backends", help="list the fused-attention backends and their availability")
     report = commands.add_parser(
@@ -177,8 +199,9 @@ def _add_selftest(commands) -> None:
         "selftest", help="check the fused kernels on this GPU (canaries, timing, verdicts); exit 1 if one is wrong",
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
-    parser.add_argument("--device", type=_any_device, default=None,
-                        help="cpu, cuda or cuda:N (default: the current CUDA device, else cpu)")
+    parser.add_argument("--device", type=_device, default=None,
+                        help="cpu, cuda or cuda:N (default: the current CUDA device, else cpu); a CUDA device this "
+                        "machine does not have: exit code 3")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "all"), default="all",
                         help="the canaries' query dtype (default: all); the timing runs the first one")
     parser.add_argument("--no-timing", action="store_true", help="canaries and verdicts on correctness only")
@@ -191,24 +214,68 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+class UsageError(Exception):
+    """A bad option or environment variable found before any work: one line on stderr, exit code 2."""
+
+
+def _check_json_path(path: str, option: str = "--json") -> None:
+    """``path`` can be written as a file: not a directory, in an existing writable directory."""
+    target = Path(path)
+    expected = "expected a file path in an existing, writable directory"
+    if not path or target.is_dir():
+        raise UsageError(f"{option}={path!r} is a directory: {expected}")
+    parent = target.parent
+    if not parent.exists():
+        raise UsageError(f"{option}={path!r}: the directory {str(parent)!r} does not exist: {expected}")
+    if not parent.is_dir():
+        raise UsageError(f"{option}={path!r}: {str(parent)!r} is not a directory: {expected}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"{option}={path!r} is not writable: {expected}")
+
+
+def _check_before_work(args: argparse.Namespace) -> None:
+    """Everything a command needs, checked before it starts: the FUSION_PASS_* environment variables (every
+    command), then its paths and its device. Raises :class:`UsageError` with the one line to print."""
+    from fusion_pass.compile import debug
+    from fusion_pass.runtime.settings import check_environment
+
+    try:
+        check_environment()
+        debug.check_environment()
+        if args.command == "dump":
+            debug.check_directory(args.out, "--out")
+    except ValueError as exc:  # ArgumentError is one
+        raise UsageError(str(exc)) from None
+    if getattr(args, "json", None) and args.command == "demo":
+        _check_json_path(args.json)
+    if args.command in ("demo", "dump"):
+        missing = _missing_device(args.device)
+        if missing:
+            raise UsageError(missing)
+
+
 def _run_demo(args: argparse.Namespace) -> int:
+    import contextlib
+
     import torch
 
     from fusion_pass.demo import workload as demo
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"fusion-pass {args.command}: --device cuda was asked for but torch sees no CUDA device",
-              file=sys.stderr)
-        return 2
     models = demo.MODELS if args.model == "all" else (args.model,)
+    cuda = torch.device(args.device).type == "cuda"
     # --time exists on `demo` only; None there means the device's default
     timing = getattr(args, "time", False)
     if timing is None:
-        timing = args.device == "cuda"
+        timing = cuda
     warmup, repeats = getattr(args, "warmup", 3), getattr(args, "repeats", 20)
     progress = None if getattr(args, "quiet", False) else _progress
-    run = demo.run_demo(models, tiny=args.tiny, device=args.device, layers=args.layers,
-                        timing=timing, warmup=warmup, repeats=repeats, progress=progress)
+    # cuda:N: the current device while the demo runs, so that the kernels launch on it and the timing's CUDA
+    # events and synchronizes are its own (plain cuda: the current device already)
+    index = torch.device(args.device).index
+    on_device = torch.cuda.device(index) if cuda and index is not None else contextlib.nullcontext()
+    with on_device:
+        run = demo.run_demo(models, tiny=args.tiny, device=args.device, layers=args.layers,
+                            timing=timing, warmup=warmup, repeats=repeats, progress=progress)
     print(demo.format_table(run.results))
     print()
     print(demo.format_report(run.report))
@@ -217,8 +284,13 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(demo.format_timing(run.timings, device=args.device, layers=args.layers, warmup=warmup,
                                  repeats=repeats))
     if getattr(args, "json", None):
-        with open(args.json, "w") as f:
-            json.dump(demo.results_json(run.results, run.report, run.timings), f, indent=2)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(demo.results_json(run.results, run.report, run.timings), f, indent=2)
+        except OSError as exc:  # checked before the run; the directory changed since
+            print(f"fusion-pass {args.command}: --json={args.json!r}: cannot write it ({exc.strerror or exc})",
+                  file=sys.stderr)
+            return 1
         print(f"wrote {args.json}")
     return 0
 
@@ -283,13 +355,25 @@ def _run_selftest(args: argparse.Namespace) -> int:
     dtypes = tuple(selftest.DTYPES.values()) if args.dtype == "all" else (selftest.DTYPES[args.dtype],)
     report = selftest.run_selftest(args.device, dtypes=dtypes, timing=not args.no_timing, repeats=args.repeats,
                                    progress=_progress)
-    print(json.dumps(report, indent=2) if args.json else selftest.format_report(report))
+    if report.get("device_missing") and not args.json:  # asked for a device that is not here: one line
+        print(f"fusion-pass selftest: {report['reason']}: nothing was checked (exit code {report['exit_code']})",
+              file=sys.stderr)
+    else:
+        print(json.dumps(report, indent=2) if args.json else selftest.format_report(report))
     return report["exit_code"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        _check_before_work(args)
+    except UsageError as exc:
+        print(f"fusion-pass {args.command}: {exc}", file=sys.stderr)
+        return 2
     if args.command == "demo":
         return _run_demo(args)
     if args.command == "dump":
@@ -298,10 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_backends()
     if args.command == "report":
         return _run_report(args)
-    if args.command == "selftest":
-        return _run_selftest(args)
-    parser.print_help()
-    return 2
+    return _run_selftest(args)
 
 
 if __name__ == "__main__":

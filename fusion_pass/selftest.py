@@ -12,7 +12,9 @@ is the command's exit code. On a CUDA device it
 3. gives one verdict per backend: ``correct`` / ``FAILED (...)`` / ``no canary``, and ``faster`` / ``slower``
    than the best unfused path on the measured shapes (:func:`verdicts`).
 
-Without a CUDA device it runs nothing and reports what it would check (``would_check``) and why not.
+Without a CUDA device it runs nothing and reports what it would check (``would_check``) and why not: exit code 0
+when no device was asked for (or the CPU was), 3 when the device asked for (``cuda``, ``cuda:N``) is not on this
+machine (``"passed": false``, ``"device_missing": true``), so that a CI gate asking for a GPU never reads success.
 The device, the backends, the canary runner and the timing are parameters, so that the logic runs on the CPU
 with stand-ins (tests).
 """
@@ -340,6 +342,18 @@ def would_check(backends: list[dict], dtypes: Sequence[torch.dtype], shapes: Seq
     return {"canaries": canaries, "no_canary": [b["name"] for b in backends if not b["canary"]], "timing": timed}
 
 
+def _missing_device(device: torch.device, cuda: bool) -> str | None:
+    """Why the CUDA ``device`` asked for is not on this machine (no CUDA, or an index past the device count), or
+    None."""
+    if device.type != "cuda":
+        return None
+    if not cuda:
+        return f"--device {device} was asked for but torch sees no CUDA device"
+    if device.index is not None and torch.cuda.is_available() and device.index >= torch.cuda.device_count():
+        return f"--device {device} was asked for but this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def _not_here(device: torch.device, cuda: bool) -> str | None:
     if not cuda:
         return "no CUDA device (torch.cuda.is_available() is False)"
@@ -356,6 +370,7 @@ def run_selftest(device=None, *, dtypes: Sequence[torch.dtype] = tuple(DTYPES.va
     :data:`fusion_pass.runtime.backends.selection.BACKEND_ORDER`); ``cuda``: whether CUDA runs (default: torch's
     answer); ``head_dims``, ``run_check`` and ``measure`` replace :func:`canary_head_dims`,
     :func:`fusion_pass.runtime.self_check.run_self_check` and :func:`measure_shape`."""
+    asked = device is not None
     device = selection.default_device() if device is None else torch.device(device)
     backends = [selection.get_backend(n) for n in selection.BACKEND_ORDER] if backends is None else list(backends)
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -366,6 +381,11 @@ def run_selftest(device=None, *, dtypes: Sequence[torch.dtype] = tuple(DTYPES.va
         info.append({"name": backend.name, "available": ok, "reason": why, "canary": has_canary(backend)})
     report: dict[str, Any] = {"device": str(device), "cuda": False, "gpu": None, "dtypes": [_dtype_name(d) for d in dtypes],
                               "backends": info, "canaries": [], "timings": [], "timing_method": None, "verdicts": {}}
+    missing = _missing_device(device, cuda) if asked else None
+    if missing is not None:  # a device asked for and not here: nothing checked, never a success
+        report.update(reason=missing, device_missing=True,
+                      would_check=would_check(info, dtypes, shapes, timing, repeats), passed=False, exit_code=3)
+        return report
     reason = _not_here(device, cuda)
     if reason is not None:
         report.update(reason=reason, would_check=would_check(info, dtypes, shapes, timing, repeats), passed=True,
@@ -426,7 +446,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", "backends here:"]
         lines += [f"  {b['name']:<10} {'available' if b['available'] else 'unavailable':<12} {b['reason']}"
                   for b in report["backends"]]
-        lines += ["", "exit code 0: nothing ran"]
+        lines += ["", f"exit code {report['exit_code']}: nothing ran" + (
+            ": the device asked for is not here" if report.get("device_missing") else "")]
         return "\n".join(lines)
     lines += [f"fusion-pass selftest on {report['device']}" + (f" ({report['gpu']})" if report["gpu"] else ""), "",
               "canaries (the fused kernel's NVFP4 bytes against its unfused twin's; the first run of a "

@@ -91,11 +91,14 @@ def test_readme_example_runs(ran, index):
 
 def test_first_example_rewrites_and_runs_fused(ran):
     """The first example compiles a demo model with the pass: both layers rewritten, the fused backend run
-    on every prefill row, and the report printed."""
+    on every prefill row, and the readable summary printed."""
     first = ran[0]
     assert first["ok"], first["error"]
     assert len(first["reports"]) == 1, first
     report = first["reports"][0]
     assert report["graphs"] >= 1 and report["rewritten"] > 0 and report["refused"] == {}, report
     assert first["fused_calls"] > 0 and first["prefill_fused"] > 0, first
-    assert "'rewritten': " in first["stdout"] and "'runtime': " in first["stdout"], first["stdout"]
+    lines = first["stdout"].splitlines()
+    assert lines[0].startswith(f"pass: {report['graphs']} graphs, ") and f"{report['rewritten']} rewritten" in lines[0]
+    assert lines[1].startswith(f"run time: {first['fused_calls']} fused calls"), first["stdout"]
+    assert f"{first['prefill_fused']} of " in lines[2] and "prefill tokens fused" in lines[2], first["stdout"]

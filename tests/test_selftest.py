@@ -86,10 +86,11 @@ def test_the_command_as_a_subprocess_without_cuda():
 
 @no_cuda
 def test_options_restrict_the_plan(capsys):
-    assert cli.main(["selftest", "--json", "--dtype", "float16", "--repeats", "7", "--device", "cuda:0"]) == 0
+    # a device asked for that is not here: exit code 3, never a success (tests/test_cli_checks.py), the plan kept
+    assert cli.main(["selftest", "--json", "--dtype", "float16", "--repeats", "7", "--device", "cuda:0"]) == 3
     report = json.loads(capsys.readouterr().out)
-    assert report["device"] == "cuda:0" and report["dtypes"] == ["float16"]
-    assert report["reason"].startswith("no CUDA device")
+    assert report["device"] == "cuda:0" and report["dtypes"] == ["float16"] and report["passed"] is False
+    assert report["reason"] == "--device cuda:0 was asked for but torch sees no CUDA device"
     assert all(c["dtypes"] == ["float16"] for c in report["would_check"]["canaries"])
     assert report["would_check"]["timing"]["repeats"] == 7 and report["would_check"]["timing"]["dtype"] == "float16"
     assert cli.main(["selftest", "--no-timing"]) == 0

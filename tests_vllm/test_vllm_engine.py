@@ -268,11 +268,13 @@ def test_multiprocessing_on_one_liner_pickles_and_reports_per_process(models, tm
     assert all(r["candidates"] == r["rewritten"] == 2 for r in compiled)
     # the user's process never compiles: its (deep-copied) pass saw no graph
     assert result["report"]["graphs"] == 0
-    # graph dumps of every compiling process, numbered without collisions, each naming its process
-    dumps = [json.loads(p.read_text()) for p in sorted(dump.glob("graph_*_report.json"))]
+    # graph dumps of every compiling process, one run folder per process, each naming its process
+    paths = sorted(dump.glob("run_*/graph_*_report.json"))
+    dumps = [json.loads(p.read_text()) for p in paths]
     assert len(dumps) == sum(r["graphs"] for r in compiled)
     assert {d["pid"] for d in dumps} == {r["pid"] for r in compiled}
-    assert all((dump / f"graph_{i:03d}_after.py").exists() for i in range(len(dumps)))
+    assert all(f"pid{d['pid']}" in p.parent.name for d, p in zip(dumps, paths))
+    assert all(p.with_name(p.name.replace("_report.json", "_after.py")).exists() for p in paths)
     assert "2 candidates, 2 rewritten" in result["log"]
 
 

@@ -69,9 +69,10 @@ def test_two_ranks_each_rewrite_and_fuse_their_layers(models, tmp_path, parallel
         assert runtime["tokens"] == {"prefill": per_rank_layers * prefill, "prefill_fused": per_rank_layers * prefill,
                                      "post_quantized": {"decode_tokens": per_rank_layers * decode}}, r
     # the graph dumps: one per rank, the fused calls writing the NVFP4 bytes of the heads the rank holds
-    dumps = [json.loads(p.read_text()) for p in sorted(dump.glob("graph_*_report.json"))]
+    paths = sorted(dump.glob("run_*/graph_*_report.json"))
+    dumps = [json.loads(p.read_text()) for p in paths]
     assert sorted(d["pid"] for d in dumps) == sorted(r["pid"] for r in ranks)
     heads = HEADS // 2 if parallel == "tensor_parallel_size" else HEADS
-    for d in dumps:
-        text = (dump / f"graph_{d['graph']:03d}_after.py").read_text()
+    for d, path in zip(dumps, paths):
+        text = path.with_name(path.name.replace("_report.json", "_after.py")).read_text()
         assert fused_output_widths(text) == [heads * V_HEAD_DIM // 2] * d["rewritten"], d

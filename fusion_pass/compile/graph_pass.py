@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fusion_pass.compile import code_hash, debug, matcher
+from fusion_pass.compile import code_hash, debug, matcher, summary
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.patterns import PATTERNS, AttentionQuantPattern, OpVocabulary, fusion_pass_vocabulary
 
@@ -219,6 +219,11 @@ class FusionPass(CustomGraphPass):
                         "report()['graphs_from_cache'] counts it; compile with fx_graph_cache=False for a full "
                         "report)", compile_id)
 
+    def summary(self) -> str:
+        """:meth:`report` in a few readable lines (:func:`fusion_pass.compile.summary.summarize`), saying so when the
+        FX graph cache served every compile and the pass did not run."""
+        return summary.summarize(self.report())
+
     def report(self) -> dict:
         """Totals over every graph this pass ran on, the per-graph reports, the compiles the FX graph cache
         served (``graphs_from_cache``: the pass did not run on them), and the run-time counters of the layers
@@ -407,6 +412,10 @@ class EnabledPass:
     def report(self) -> dict:
         """Its :class:`FusionPass`'s report (:meth:`FusionPass.report`)."""
         return self.fusion.report()
+
+    def summary(self) -> str:
+        """Its :class:`FusionPass`'s report in a few readable lines (:meth:`FusionPass.summary`)."""
+        return self.fusion.summary()
 
     def __enter__(self) -> FusionPass:
         return self.fusion

@@ -4,7 +4,7 @@ Inside vLLM the pass runs in the engine's worker processes, not in the one that
 built the configuration. Each process that ran the pass writes its report to
 ``<dir>/reports/vllm_report_<pid>.json`` (:mod:`fusion_pass.vllm.compile.report_file`; kept
 current with the run-time counters while it serves), apart from the graph dumps
-in ``<dir>``; releases before that wrote ``<dir>/vllm_report_<pid>.json``, which is
+in ``<dir>/run_NNN_pid<PID>/`` (:mod:`fusion_pass.compile.debug`); releases before that wrote ``<dir>/vllm_report_<pid>.json``, which is
 read too. :func:`summarize` adds them up and ``fusion-pass report DIR`` prints the result.
 """
 

@@ -29,6 +29,7 @@ from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.nvfp4.checks import is_int
 from fusion_pass.runtime import counters
 from fusion_pass.compile.graph_pass import FusionPass
+from fusion_pass.compile.summary import summarize as format_report  # noqa: F401  (handed on: demo.format_report)
 from fusion_pass.demo.models import (
     GQAConfig,
     MLAConfig,
@@ -414,26 +415,10 @@ def format_table(results: list[BatchResult]) -> str:
         f"bytes==unfused: required on fallback batches; {NOT_COMPARED}: fused rows quantize float32 attention, so "
         f"they are checked against the bound (max|err| <= bound; '!' marks a miss) and decode rows byte for byte "
         f"(decode==)",
+        "|unfused-eager|: the largest difference of the stack's output compiled without the pass from the same stack "
+        "run eagerly (Inductor's own rounding, the baseline the pass is compared with)",
     ]
     return "\n".join([header, "-" * len(header), *rows, *notes])
-
-
-def format_report(report: dict) -> str:
-    refused = ", ".join(f"{k}={v}" for k, v in sorted(report["refused"].items())) or "none"
-    runtime_counts = report["runtime"]
-    fallback = ", ".join(f"{k}={v}" for k, v in sorted(runtime_counts["fallback"].items())) or "none"
-    tokens = runtime_counts["tokens"]
-    post = ", ".join(f"{k}={v}" for k, v in sorted(tokens["post_quantized"].items())) or "none"
-    share = f" ({tokens['prefill_fused'] / tokens['prefill']:.1%})" if tokens["prefill"] else ""
-    cached = report.get("graphs_from_cache", 0)
-    cached = f" (+{cached} served by the FX graph cache, the pass not run)" if cached else ""
-    layers = len(report.get("rewritten_layers", ())) or report["rewritten"]
-    return (f"pass: {report['graphs']} graphs{cached}, {report['candidates']} attention layers seen, "
-            f"{report['rewritten']} rewritten, refused: {refused}, {report['seconds'] * 1e3:.1f} ms in the pass\n"
-            f"run time: {runtime_counts['fused']} fused calls, fallback calls: {fallback} (the calls of the "
-            f"{layers} rewritten layer{'s' if layers != 1 else ''})\n"
-            f"tokens, summed over every call of those layers (each prefill token once per layer): "
-            f"{tokens['prefill_fused']} of {tokens['prefill']} prefill tokens fused{share}, post-quantized: {post}")
 
 
 def format_timing(timings: list[dict], *, device: str, layers: int, warmup: int, repeats: int) -> str:

@@ -155,6 +155,7 @@ def attention(
         fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k, max_seqlen_k,
         validate_values=validate_values,
     )
+    max_seqlen = int(max_seqlen)  # checked: an int, numpy's too
     if chosen == "triton":
         from fusion_pass.kernels.triton.flash_attention import flash_attention
 
@@ -199,6 +200,7 @@ def attention_with_lse(
         fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k, max_seqlen_k,
         validate_values=validate_values,
     )
+    max_seqlen = int(max_seqlen)  # checked: an int, numpy's too
     return launchers.attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                      cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
                                      causal=causal, backend=chosen)
@@ -269,6 +271,7 @@ def attention_nvfp4(
         fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k, max_seqlen_k,
         global_scale=global_scale, validate_values=validate_values,
     )
+    max_seqlen = int(max_seqlen)  # checked: an int, numpy's too
     t, h, _ = q.shape
     dv = v.shape[2]
     if chosen == "triton":
@@ -350,7 +353,7 @@ def quantize_rows_into(
     check_rows_into(fn, x, global_scale, packed, scales, row_start, check_value=False)
     check_scale_value(fn, global_scale, validate_values)  # the caller's values before the backend's availability
     chosen = triton_or_reference(fn, backend, x.device)
-    launchers.quantize_rows(x, global_scale, packed, scales, row_start, backend=chosen)
+    launchers.quantize_rows(x, global_scale, packed, scales, int(row_start), backend=chosen)  # numpy's as an int
 
 
 def merge_attention_nvfp4(
@@ -437,6 +440,7 @@ def merge_attention_nvfp4(
     check_destination(fn, packed, scales, row_start, out_a)
     check_scale_value(fn, global_scale, validate_values)  # the caller's values before the backend's availability
     chosen = choose_merge(fn, backend, out_a)
+    row_start = int(row_start)  # checked: an int, numpy's too
     if chosen == "triton":
         launchers.merge_nvfp4_rows("triton", out_a, lse_a, out_b, lse_b, global_scale, packed, scales, row_start)
     else:

@@ -21,6 +21,7 @@ from fusion_pass.kernels.host_copy import to_device
 from fusion_pass.nvfp4.checks import (
     ArgumentError,
     check_global_scale,
+    check_int,
     check_row_range,
     check_tensor,
     is_concrete,
@@ -100,8 +101,7 @@ def check_max_seqlen_k(fn: str, max_seqlen_k, cu_seqlens_k) -> None:
         return
     if cu_seqlens_k is None:
         raise ArgumentError(f"{fn}: max_seqlen_k={max_seqlen_k!r} is given without cu_seqlens_k")
-    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
-        raise ArgumentError(f"{fn}: max_seqlen_k must be None or a non-negative int, got {max_seqlen_k!r}")
+    check_int(f"{fn}: max_seqlen_k", max_seqlen_k, minimum=0, expected="None or a non-negative int")
 
 
 def zero_nvfp4_scale_padding(scale_bytes: Tensor, t: int, width: int) -> None:
@@ -181,8 +181,7 @@ def check_varlen(fn: str, q: Tensor, cu_seqlens, max_seqlen, validate_values=Tru
         raise ArgumentError(f"{fn}: cu_seqlens must have B + 1 >= 2 entries, got {cu_seqlens.numel()}")
     if cu_seqlens.device != q.device:
         raise ArgumentError(f"{fn}: cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ArgumentError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
+    check_int(f"{fn}: max_seqlen", max_seqlen, minimum=0, expected="a non-negative int")
     t = q.shape[0]
     if validate_values is True:
         lengths = _lengths(fn, "cu_seqlens", cu_seqlens, f"T={t}", t)
@@ -215,6 +214,7 @@ def check_varlen_k(fn: str, q: Tensor, k: Tensor, cu_seqlens, cu_seqlens_k, max_
     check_max_seqlen_k(fn, max_seqlen_k, cu_seqlens_k)
     if cu_seqlens_k is None:
         return None
+    max_seqlen_k = None if max_seqlen_k is None else int(max_seqlen_k)  # a numpy integer as an int
     check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
     tk = k.shape[0]
     if validate_values is True:

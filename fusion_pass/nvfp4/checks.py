@@ -77,6 +77,18 @@ def is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+def check_int(where: str, value, *, minimum: int | None = None, expected: str | None = None) -> int:
+    """``value`` as a Python int when it is an integer (numpy integers included, a bool refused) of at least
+    ``minimum``; else :class:`ArgumentError` ``"{where} must be {expected}, got {type} {value!r}"`` (``where``
+    names the function and the argument; ``expected`` defaults to ``an int`` / ``>= minimum``). The integer check
+    of the public API: numpy integers work wherever ints do (docs/usage.md, "Argument checks")."""
+    if is_int(value) and (minimum is None or value >= minimum):
+        return int(value)
+    if expected is None:
+        expected = f">= {minimum}" if is_int(value) else "an int"
+    raise ArgumentError(f"{where} must be {expected}, got {type(value).__name__} {value!r}")
+
+
 def check_tensor(fn: str, name: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise ArgumentError(f"{fn}: {name} must be a tensor (got {type(t).__name__})")

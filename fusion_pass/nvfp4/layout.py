@@ -6,6 +6,8 @@ Plain tensor ops: runs on any device, under ``FakeTensorMode`` and under torch.c
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 BLOCK_SIZE = 16
@@ -50,7 +52,7 @@ def scale_shape(m: int, k: int, *, swizzled: bool = True) -> tuple[int, int]:
     Swizzled: ``(round_up(m, 128), round_up(k // 16, 4))``; linear: ``(m, k // 16)``.
     ``k`` must be a multiple of 16.
     """
-    if isinstance(k, int) and k % BLOCK_SIZE != 0:
+    if isinstance(k, numbers.Integral) and k % BLOCK_SIZE != 0:  # numpy integers too; a SymInt is not checked
         raise ValueError(f"scale_shape: k must be divisible by {BLOCK_SIZE} (got {k})")
     n_blocks = k // BLOCK_SIZE
     if not swizzled:

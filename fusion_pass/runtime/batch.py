@@ -8,28 +8,32 @@ wraps a model forward in ``with batch(spec):`` and the attention ops read the sp
 
 from __future__ import annotations
 
-import numbers
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterator, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 import torch
+
+from fusion_pass.nvfp4.checks import ArgumentError, check_int
 
 __all__ = ["RequestSpec", "BatchSpec", "batch", "current_batch"]
 
 
-def _check_int(owner: str, field: str, value: Any, minimum: int) -> int:
-    """``value`` as an int (numpy integers accepted, bools refused), at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{owner}: {field} must be an int, got {value!r}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{owner}: {field} must be >= {minimum}, got {value}")
+def _check_request_id(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ArgumentError(f"{where} must be a non-empty str, got {type(value).__name__} {value!r}")
     return value
 
 
+def _check_lens(name: str, values: Any) -> list:
+    """``values`` (one entry per request) as a list: a sequence or another iterable (a numpy array), not a str;
+    else ArgumentError naming ``name``."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise ArgumentError(f"BatchSpec.from_lens: {name} must be a sequence with one entry per request, got "
+                            f"{type(values).__name__} {values!r}")
+    return list(values)
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,9 @@ class RequestSpec:
     context_len: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
-        owner = f"request {self.request_id}"
-        object.__setattr__(self, "query_len", _check_int(owner, "query_len", self.query_len, 1))
-        object.__setattr__(self, "context_len", _check_int(owner, "context_len", self.context_len, 0))
+        owner = f"RequestSpec {_check_request_id('RequestSpec: request_id', self.request_id)!r}"
+        object.__setattr__(self, "query_len", check_int(f"{owner}: query_len", self.query_len, minimum=1))
+        object.__setattr__(self, "context_len", check_int(f"{owner}: context_len", self.context_len, minimum=0))
 
     @property
     def is_decode(self) -> bool:
@@ -75,14 +77,20 @@ class BatchSpec:
     dcp_world_size: int = 1
 
     def __post_init__(self) -> None:
-        requests = tuple(self.requests)
-        object.__setattr__(self, "requests", requests)
+        requests = self.requests
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
+            raise ArgumentError(f"BatchSpec: requests must be a sequence of RequestSpec, got {type(requests).__name__} "
+                                f"{requests!r}")
+        requests = tuple(requests)
         if not requests:
-            raise ValueError("BatchSpec: requests must not be empty")
-        for r in requests:
+            raise ArgumentError("BatchSpec: requests must not be empty")
+        for i, r in enumerate(requests):
             if not isinstance(r, RequestSpec):
-                raise ValueError(f"BatchSpec: requests must be RequestSpec, got {type(r).__name__}")
-        object.__setattr__(self, "dcp_world_size", _check_int("BatchSpec", "dcp_world_size", self.dcp_world_size, 1))
+                raise ArgumentError(f"BatchSpec: requests must be a sequence of RequestSpec, got "
+                                    f"{type(r).__name__} {r!r} at requests[{i}]")
+        object.__setattr__(self, "requests", requests)
+        object.__setattr__(self, "dcp_world_size", check_int("BatchSpec: dcp_world_size", self.dcp_world_size,
+                                                             minimum=1))
         seen: set[str] = set()
         for r in requests:
             if r.request_id in seen:
@@ -108,12 +116,20 @@ class BatchSpec:
         *,
         dcp_world_size: int = 1,
     ) -> "BatchSpec":
-        """Build a spec from per-request lengths; ids default to ``"r0", "r1", ...``."""
+        """Build a spec from per-request lengths (ints, numpy's too); ids default to ``"r0", "r1", ...``. A wrong
+        type or length raises ArgumentError naming the argument (and the entry) before a spec is built."""
+        fn = "BatchSpec.from_lens"
+        query_lens = [check_int(f"{fn}: query_lens[{i}]", q, minimum=1)
+                      for i, q in enumerate(_check_lens("query_lens", query_lens))]
         n = len(query_lens)
-        context_lens = [0] * n if context_lens is None else list(context_lens)
-        request_ids = [f"r{i}" for i in range(n)] if request_ids is None else list(request_ids)
+        context_lens = [0] * n if context_lens is None else [
+            check_int(f"{fn}: context_lens[{i}]", c, minimum=0) for i, c in enumerate(_check_lens("context_lens",
+                                                                                                  context_lens))]
+        request_ids = [f"r{i}" for i in range(n)] if request_ids is None else [
+            _check_request_id(f"{fn}: request_ids[{i}]", r) for i, r in enumerate(_check_lens("request_ids",
+                                                                                              request_ids))]
         if len(context_lens) != n or len(request_ids) != n:
-            raise ValueError(
+            raise ArgumentError(
                 f"BatchSpec.from_lens: got {n} query_lens, {len(context_lens)} context_lens "
                 f"and {len(request_ids)} request_ids"
             )
@@ -181,14 +197,19 @@ class BatchSpec:
 _local = threading.local()
 
 
-@contextmanager
-def batch(spec: BatchSpec) -> Iterator[BatchSpec]:
+def batch(spec: BatchSpec) -> ContextManager[BatchSpec]:
     """Make ``spec`` the current batch of this thread for the ``with`` body.
 
-    Nestable: on exit the previously current batch (or none) is restored.
+    Nestable: on exit the previously current batch (or none) is restored. ``spec`` that is not a
+    :class:`BatchSpec` raises ArgumentError here, at the call.
     """
     if not isinstance(spec, BatchSpec):
-        raise TypeError(f"batch() expects a BatchSpec, got {type(spec).__name__}")
+        raise ArgumentError(f"batch: spec must be a BatchSpec, got {type(spec).__name__} {spec!r}")
+    return _current(spec)
+
+
+@contextmanager
+def _current(spec: BatchSpec) -> Iterator[BatchSpec]:
     previous = getattr(_local, "spec", None)
     _local.spec = spec
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -10,22 +11,24 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+from fusion_pass.nvfp4.checks import ArgumentError, check_int
 from fusion_pass.runtime.batch import BatchSpec, RequestSpec
 
 __all__ = ["CachedLayer", "ContextRows", "RequestCache", "packed_rows", "positive_int", "positive_softmax_scale"]
 
 
-def positive_int(name: str, value: int) -> int:
-    """``value`` when it is a positive int (a layer dimension), else ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+def positive_int(owner: str, name: str, value: int) -> int:
+    """``value`` as an int when it is a positive integer (a layer dimension; numpy integers accepted), else
+    ArgumentError naming ``owner`` and ``name``."""
+    return check_int(f"{owner}: {name}", value, minimum=1, expected="a positive int")
 
 
-def positive_softmax_scale(value) -> float:
-    """``value`` as a float when it is a positive finite number (a layer's ``softmax_scale``), else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"softmax_scale must be a positive finite number, got {value!r}")
+def positive_softmax_scale(owner: str, value) -> float:
+    """``value`` as a float when it is a positive finite number (a layer's ``softmax_scale``), else ArgumentError
+    naming ``owner``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ArgumentError(f"{owner}: softmax_scale must be a positive finite number, got {type(value).__name__} "
+                            f"{value!r}")
     return float(value)
 
 

@@ -27,6 +27,7 @@ import logging
 import threading
 from typing import Any, Callable, Iterable
 
+from fusion_pass.nvfp4.checks import ArgumentError
 from fusion_pass.runtime.guard import Decision
 
 __all__ = ["FOLD_AT", "add_listener", "counters", "forget_layer", "record", "remove_listener", "reset_counters"]
@@ -169,10 +170,13 @@ def _notify() -> None:
 def _layer_names(layers) -> list[str]:
     if isinstance(layers, str):
         return [layers]
+    if isinstance(layers, bytes) or not hasattr(layers, "__iter__"):
+        raise ArgumentError(f"counters: layers must be None, a layer name (str) or an iterable of layer names, got "
+                            f"{type(layers).__name__} {layers!r}")
     names = list(layers)
     for name in names:
         if not isinstance(name, str):
-            raise ValueError(f"counters: layers must hold layer names (str), got {type(name).__name__} {name!r}")
+            raise ArgumentError(f"counters: layers must hold layer names (str), got {type(name).__name__} {name!r}")
     return names
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from fusion_pass.nvfp4.checks import ArgumentError
 from fusion_pass.runtime.batch import BatchSpec
 from fusion_pass.runtime.cache import CachedLayer, ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
 from fusion_pass.kernels.reference import dense_attention, merge_attention
@@ -57,20 +58,22 @@ class MLAAttentionImpl(CachedLayer):
         kv_b_proj_weight: torch.Tensor,
         softmax_scale: float,
     ) -> None:
-        self.num_heads = positive_int("num_heads", num_heads)
-        self.qk_nope_head_dim = positive_int("qk_nope_head_dim", qk_nope_head_dim)
-        self.qk_rope_head_dim = positive_int("qk_rope_head_dim", qk_rope_head_dim)
-        self.v_head_dim = positive_int("v_head_dim", v_head_dim)
-        self.kv_lora_rank = positive_int("kv_lora_rank", kv_lora_rank)
-        expected = (num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)
+        owner = "MLAAttentionImpl"
+        self.num_heads = positive_int(owner, "num_heads", num_heads)
+        self.qk_nope_head_dim = positive_int(owner, "qk_nope_head_dim", qk_nope_head_dim)
+        self.qk_rope_head_dim = positive_int(owner, "qk_rope_head_dim", qk_rope_head_dim)
+        self.v_head_dim = positive_int(owner, "v_head_dim", v_head_dim)
+        self.kv_lora_rank = positive_int(owner, "kv_lora_rank", kv_lora_rank)
+        expected = (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
         if not isinstance(kv_b_proj_weight, torch.Tensor) or tuple(kv_b_proj_weight.shape) != expected:
-            got = tuple(kv_b_proj_weight.shape) if isinstance(kv_b_proj_weight, torch.Tensor) else kv_b_proj_weight
-            raise ValueError(
-                f"kv_b_proj_weight must have shape [num_heads * (qk_nope_head_dim + v_head_dim), "
+            got = (tuple(kv_b_proj_weight.shape) if isinstance(kv_b_proj_weight, torch.Tensor)
+                   else f"{type(kv_b_proj_weight).__name__} {kv_b_proj_weight!r}")
+            raise ArgumentError(
+                f"{owner}: kv_b_proj_weight must be a tensor of shape [num_heads * (qk_nope_head_dim + v_head_dim), "
                 f"kv_lora_rank] = {list(expected)}, got {got}"
             )
         self.kv_b_proj_weight = kv_b_proj_weight
-        self.softmax_scale = positive_softmax_scale(softmax_scale)
+        self.softmax_scale = positive_softmax_scale(owner, softmax_scale)
         self.cache = RequestCache()
 
     # -- forward -------------------------------------------------------------

@@ -42,7 +42,8 @@ def register_layer(name: str, impl: Any) -> None:
     """Register ``impl`` under ``name``; re-registering the same object is a no-op. A new layer under a name
     starts the name's run-time counts afresh (:func:`fusion_pass.runtime.counters.forget_layer`)."""
     if not isinstance(name, str) or not name:
-        raise ValueError(f"layer name must be a non-empty str, got {name!r}")
+        raise ArgumentError(f"register_layer: name (the layer name) must be a non-empty str, got "
+                            f"{type(name).__name__} {name!r}")
     with _layers_lock:
         existing = _layers.get(name)
         if existing is not None and existing is not impl:

@@ -8,7 +8,8 @@ the reference quantizer on a few small batches; a difference disables the backen
 later call that would use it takes the exact fallback with the reason ``self_check_failed``, and one warning
 names the configuration. The check never runs while a CUDA graph is being captured (a kernel launch there
 would be recorded, not run): such a call takes the fallback with the reason ``self_check_pending`` and the
-check runs at the next eager call. :func:`run_self_check` runs it on request (``fusion-pass selftest``).
+check runs at the next eager call. :func:`run_self_check` runs it on request (``fusion-pass selftest``); on a
+backend that offers no check it records the check as not applicable (no warning; the backend serves as before).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SelfCheckResult", "failed_check", "forget_self_checks", "run_self_check", "self_check_results", "verify"]
+__all__ = ["SelfCheckResult", "failed_check", "forget_self_checks", "offers_check", "run_self_check",
+           "self_check_results", "verify"]
 
 logger = logging.getLogger("fusion_pass")
 
@@ -31,7 +33,8 @@ logger = logging.getLogger("fusion_pass")
 class SelfCheckResult:
     """One configuration's self-check: ``passed``, what was compared or where it differed (``detail``), the
     seconds it took (``seconds``; the first one in a process includes compiling both kernels), and the query
-    heads per KV head it ran (``group``)."""
+    heads per KV head it ran (``group``). ``applicable`` is False for a backend that offers no check (no canary
+    ran: ``passed`` is False too, and the backend is not disabled); :attr:`status` says which of the three."""
 
     backend: str
     device: str
@@ -41,9 +44,15 @@ class SelfCheckResult:
     detail: str
     seconds: float
     group: int = 1
+    applicable: bool = True
+
+    @property
+    def status(self) -> str:
+        """``"passed"``, ``"FAILED"`` or ``"not applicable"`` (the backend offers no self-check)."""
+        return "not applicable" if not self.applicable else "passed" if self.passed else "FAILED"
 
     def describe(self) -> str:
-        state = "passed" if self.passed else "FAILED"
+        state = self.status
         return (f"{self.backend} on {self.device} ({self.dtype}, head dims {self.head_dims}, {self.group} query "
                 f"head(s) per KV head): {state} in {self.seconds:.2f} s: {self.detail}")
 
@@ -74,14 +83,31 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def offers_check(backend) -> bool:
+    """Whether ``backend`` offers a self-check: both ``self_check_needed`` and ``canary``."""
+    return callable(getattr(backend, "self_check_needed", None)) and callable(getattr(backend, "canary", None))
+
+
 def run_self_check(backend, device, dtype, num_heads, qk_head_dim, v_head_dim,
                    num_kv_heads: int | None = None) -> SelfCheckResult:
     """Run ``backend``'s canary for this configuration now (whether or not it is needed) and record it. A
     failure disables the backend for the process and warns once. The canary runs on ``device`` (made current
-    for it) with the layer's query heads per KV head (``num_kv_heads``, default ``num_heads``)."""
+    for it) with the layer's query heads per KV head (``num_kv_heads``, default ``num_heads``). A backend that
+    offers no check (:func:`offers_check`) gets a result that is not applicable (``applicable=False``), recorded,
+    logged at INFO, with no warning: nothing ran, and the backend serves as it did (the guard checks only
+    backends that offer a check)."""
     device = _device(device)
     group = _group(num_heads, num_kv_heads)
     key = _key(backend, device, dtype, qk_head_dim, v_head_dim, num_heads, num_kv_heads)
+    if not offers_check(backend):
+        result = SelfCheckResult(backend.name, str(device), str(dtype).replace("torch.", ""),
+                                 (qk_head_dim, v_head_dim), False,
+                                 "the backend offers no self-check (no canary); it serves without one", 0.0, group,
+                                 applicable=False)
+        with _lock:
+            _results[key] = result
+        logger.info("fusion_pass: self-check %s", result.describe())
+        return result
     with _lock:
         started = time.perf_counter()
         try:
@@ -114,9 +140,9 @@ def verify(backend, device, dtype, num_heads, qk_head_dim, v_head_dim,
     failed in this process is refused whether or not a check is required for this configuration. Runs the
     canary the first time it is needed for the configuration (``num_kv_heads``: the layer's key/value heads,
     default ``num_heads``; the canary runs the layer's query heads per KV head, which the kernels compile for)."""
-    needed = getattr(backend, "self_check_needed", None)
-    if needed is None:
+    if not offers_check(backend):
         return None, "no self-check"
+    needed = backend.self_check_needed
     with _lock:
         failed = _disabled.get(backend.name)
     if failed is not None:
@@ -127,7 +153,7 @@ def verify(backend, device, dtype, num_heads, qk_head_dim, v_head_dim,
         return None, why
     with _lock:
         result = _results.get(_key(backend, device, dtype, qk_head_dim, v_head_dim, num_heads, num_kv_heads))
-        if result is None:
+        if result is None or not result.applicable:
             if _capturing(device):
                 return "self_check_pending", ("a CUDA graph is being captured; the self-check of the fused kernel "
                                               f"runs at the next eager call ({why})")

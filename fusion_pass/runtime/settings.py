@@ -13,7 +13,8 @@ Each setting is read, in order of precedence, from:
    :data:`SPLIT_MIXED_ENV`);
 4. the default.
 
-A bad value raises ValueError naming its source before anything else happens: ``set_*`` / ``use_*`` when
+A bad value raises :class:`~fusion_pass.nvfp4.ArgumentError` (a ValueError) naming its source before anything
+else happens: ``set_*`` / ``use_*`` when
 called, an environment variable when first read (:func:`check_environment` reads them all at once; the attention
 ops, the project's and vLLM's, call it before they touch a cache, so a bad value of any of them, the vLLM-only split
 mode included, stops either op).
@@ -26,6 +27,8 @@ import os
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Generic, Iterator, TypeVar
+
+from fusion_pass.nvfp4.checks import ArgumentError, is_int
 
 __all__ = [
     "BACKEND_CHOICES",
@@ -132,11 +135,15 @@ class _Setting(Generic[T]):
             self._scoped.reset(token)
 
 
-def _backend_choice(value: Any, source: str) -> str:
-    choice = value.strip().lower() if isinstance(value, str) else value
-    if choice not in BACKEND_CHOICES:
-        raise ValueError(f"{source}={value!r} is not a backend; choose one of {', '.join(BACKEND_CHOICES)}")
+def _choice(value: Any, source: str, choices: tuple[str, ...], what: str) -> str:
+    choice = value.strip().lower() if isinstance(value, str) else None
+    if choice not in choices:
+        raise ArgumentError(f"{source}={value!r} is not {what}; choose one of {', '.join(choices)}")
     return choice
+
+
+def _backend_choice(value: Any, source: str) -> str:
+    return _choice(value, source, BACKEND_CHOICES, "a backend")
 
 
 def _token_count(value: Any, source: str) -> int:
@@ -145,23 +152,18 @@ def _token_count(value: Any, source: str) -> int:
             value = int(value.strip())
         except ValueError:
             pass
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{source}={value!r} must be a positive number of tokens (the context workspace bound)")
+    if not is_int(value) or value < 1:
+        raise ArgumentError(f"{source}={value!r} must be a positive number of tokens (an int, numpy's too; the "
+                            "context workspace bound)")
     return int(value)
 
 
 def _self_check_mode(value: Any, source: str) -> str:
-    mode = value.strip().lower() if isinstance(value, str) else value
-    if mode not in SELF_CHECK_MODES:
-        raise ValueError(f"{source}={value!r} is not a self-check mode; choose one of {', '.join(SELF_CHECK_MODES)}")
-    return mode
+    return _choice(value, source, SELF_CHECK_MODES, "a self-check mode")
 
 
 def _split_mixed_mode(value: Any, source: str) -> str:
-    mode = value.strip().lower() if isinstance(value, str) else value
-    if mode not in SPLIT_MIXED_MODES:
-        raise ValueError(f"{source}={value!r} is not a split mode; choose one of {', '.join(SPLIT_MIXED_MODES)}")
-    return mode
+    return _choice(value, source, SPLIT_MIXED_MODES, "a split mode")
 
 
 _backend = _Setting("backend", BACKEND_ENV, "auto", _backend_choice)
@@ -242,7 +244,7 @@ def use_split_mixed(mode: str | None):
 
 
 def check_token_count(source: str, tokens: Any) -> int:
-    """``tokens`` as a positive int, else ValueError naming ``source``."""
+    """``tokens`` as a positive int (numpy integers accepted), else ArgumentError naming ``source``."""
     return _token_count(tokens, source)
 
 

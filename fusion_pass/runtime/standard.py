@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from fusion_pass.nvfp4.checks import ArgumentError
 from fusion_pass.runtime.batch import BatchSpec
 from fusion_pass.runtime.cache import CachedLayer, ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
 from fusion_pass.kernels.reference import dense_attention
@@ -43,13 +44,15 @@ class AttentionImpl(CachedLayer):
         v_head_dim: int | None = None,
         softmax_scale: float,
     ) -> None:
-        self.num_heads = positive_int("num_heads", num_heads)
-        self.num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        self.head_dim = positive_int("head_dim", head_dim)
-        self.v_head_dim = head_dim if v_head_dim is None else positive_int("v_head_dim", v_head_dim)
-        self.softmax_scale = positive_softmax_scale(softmax_scale)
+        owner = "AttentionImpl"
+        self.num_heads = positive_int(owner, "num_heads", num_heads)
+        self.num_kv_heads = positive_int(owner, "num_kv_heads", num_kv_heads)
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ArgumentError(f"{owner}: num_heads={self.num_heads} must be a multiple of "
+                                f"num_kv_heads={self.num_kv_heads}")
+        self.head_dim = positive_int(owner, "head_dim", head_dim)
+        self.v_head_dim = self.head_dim if v_head_dim is None else positive_int(owner, "v_head_dim", v_head_dim)
+        self.softmax_scale = positive_softmax_scale(owner, softmax_scale)
         self.cache = RequestCache()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: BatchSpec) -> torch.Tensor:

@@ -871,10 +871,12 @@ def test_dump_writes_before_after_report_and_depyf(tmp_path):
     prefix = unique("dump")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with fusion_pass.compile.debug.dump(tmp_path) as path:
-            assert fusion_pass.compile.debug.active() and path == tmp_path
+        with fusion_pass.compile.debug.dump(tmp_path) as path:  # this run's folder under tmp_path
+            assert fusion_pass.compile.debug.active() and path.parent == tmp_path
+            assert re.fullmatch(rf"run_000_pid{os.getpid()}", path.name), path
             _compile_tiny_mla(prefix, FusionPass())
     assert not fusion_pass.compile.debug.active()
+    tmp_path = path  # the dumps, relative paths in the report included, are the run folder's
     assert not [w for w in caught if "You are trying to debug" in str(w.message)], "depyf's warning was shown"
     befores = sorted(tmp_path.glob("graph_*_before.py"))
     assert len(befores) == 1, befores
@@ -916,9 +918,9 @@ def test_each_dump_directory_numbers_graphs_from_zero(tmp_path):
     graph = torch.fx.Graph()
     graph.output(graph.placeholder("x"))
     for sub in ("first", "second"):
-        with fusion_pass.compile.debug.dump(tmp_path / sub):
+        with fusion_pass.compile.debug.dump(tmp_path / sub) as run:
             FusionPass()(graph)
-    assert (tmp_path / "second" / "graph_000_before.py").exists()
+        assert (run / "graph_000_before.py").exists() and run.parent == tmp_path / sub
 
 
 def test_dump_from_environment_variable(tmp_path):
@@ -941,6 +943,7 @@ def test_dump_from_environment_variable(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (out,) = out.glob("run_*_pid*")  # the process's run folder
     assert (out / "graph_000_before.py").exists() and (out / "graph_000_after.py").exists()
     assert "torch.ops.fusion_pass.scaled_fp4_quant.out" in code_lines((out / "graph_000_before.py").read_text())
     assert "scaled_fp4_quant" not in code_lines((out / "graph_000_after.py").read_text())
@@ -1051,6 +1054,7 @@ def test_a_compile_served_by_the_fx_graph_cache_is_counted_and_logged(tmp_path):
             report = fp.report()
             print("REPORT " + json.dumps({k: report[k] for k in ("graphs", "graphs_from_cache", "rewritten",
                                                                  "runtime", "runtime_process")}), flush=True)
+            print("SUMMARY " + json.dumps(fp.summary()), flush=True)
     """)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     env.pop(settings.BACKEND_ENV, None)
@@ -1069,3 +1073,11 @@ def test_a_compile_served_by_the_fx_graph_cache_is_counted_and_logged(tmp_path):
     assert len(served) == 1, proc.stderr[-4000:]
     assert served[0].startswith("fusion_pass fusion_pass: compile 0/0 was served by Inductor's FX graph cache: "
                                 "the fusion pass did not run on its graph")
+    # the readable summary says it without INFO logging (the README's example prints it)
+    first_summary, second_summary = [json.loads(line[len("SUMMARY "):]) for line in proc.stdout.splitlines()
+                                     if line.startswith("SUMMARY ")]
+    assert first_summary.startswith("pass: 1 graphs, 1 attention layers seen, 1 rewritten") and "note:" not in first_summary
+    assert second_summary.startswith("pass: 0 graphs (+1 served by the FX graph cache, the pass not run)")
+    assert second_summary.splitlines()[-1].startswith("note: every compile was served by Inductor's FX graph cache (1): "
+                                                      "the pass did not run")
+    assert "TORCHINDUCTOR_FX_GRAPH_CACHE=0" in second_summary

@@ -181,10 +181,11 @@ def test_cli_demo_times_by_default_on_cuda_only(monkeypatch, capsys):
 
 def test_cli_dump_and_backends(tmp_path, capsys, clean_backend_state):
     assert cli.main(["dump", "--out", str(tmp_path), "--tiny", "--model", "mla", "--layers", "1"]) == 0
-    assert sorted(p.name for p in tmp_path.glob("graph_*"))[:3] == [
+    (run,) = tmp_path.glob("run_*")  # this run's folder (a reused --out never mixes runs: tests/test_cli_checks.py)
+    assert f"dumps in {run}" in capsys.readouterr().out
+    assert sorted(p.name for p in run.glob("graph_*"))[:3] == [
         "graph_000_after.py", "graph_000_before.py", "graph_000_report.json"]
-    assert any((tmp_path / "depyf").iterdir())
-    capsys.readouterr()
+    assert any((run / "depyf").iterdir())
     assert cli.main(["backends"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[:3]] == ["fa4", "triton", "reference"]
@@ -196,15 +197,15 @@ def test_cli_dump_and_backends(tmp_path, capsys, clean_backend_state):
 
 def test_cli_backends_names_a_bad_workspace_setting(capsys, monkeypatch):
     monkeypatch.setenv("FUSION_PASS_CONTEXT_WORKSPACE_TOKENS", "lots")
-    assert cli.main(["backends"]) == 1
+    assert cli.main(["backends"]) == 2  # checked before the command's work, as for every command
     assert "FUSION_PASS_CONTEXT_WORKSPACE_TOKENS='lots' must be a positive number of tokens" in capsys.readouterr().err
     monkeypatch.delenv("FUSION_PASS_CONTEXT_WORKSPACE_TOKENS")
     monkeypatch.setenv("FUSION_PASS_SELF_CHECK", "never")
-    assert cli.main(["backends"]) == 1
+    assert cli.main(["backends"]) == 2
     assert "FUSION_PASS_SELF_CHECK='never' is not a self-check mode; choose one of auto, all, off" in capsys.readouterr().err
     monkeypatch.delenv("FUSION_PASS_SELF_CHECK")
     monkeypatch.setenv("FUSION_PASS_VLLM_SPLIT_MIXED", "yes")
-    assert cli.main(["backends"]) == 1
+    assert cli.main(["backends"]) == 2
     assert "FUSION_PASS_VLLM_SPLIT_MIXED='yes' is not a split mode; choose one of off, on" in capsys.readouterr().err
 
 
@@ -221,7 +222,7 @@ def test_cli_help_and_bad_arguments(capsys):
     assert "expected a positive integer" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["demo", "--device", "tpu"])
-    assert "--device must be 'cpu' or 'cuda'" in capsys.readouterr().err
+    assert "--device must be cpu, cuda or cuda:N, got 'tpu'" in capsys.readouterr().err
     assert cli.main([]) == 2
 
 

@@ -340,3 +340,29 @@ def test_a_failed_check_keeps_the_backend_out_of_the_unfused_path_too(monkeypatc
     assert attention_call._half_prefill_kernel(Impl(), q, SPECS["prefill"], (q,)) is None
     self_check.forget_self_checks()
     assert attention_call._half_prefill_kernel(Impl(), q, SPECS["prefill"], (q,)) == "fa4"
+
+
+def test_a_backend_without_a_check_is_not_applicable_not_disabled(monkeypatch, layer):
+    """run_self_check on a backend that offers no canary (issue 29, item 6c): the result says the check is not
+    applicable, no "disabled" warning, nothing recorded as failed, and the backend keeps serving: the record and
+    what the guard does agree."""
+    reference_backend = backends.get_backend("reference")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = self_check.run_self_check(reference_backend, "cpu", torch.bfloat16, 2, 24, 16)
+    assert [str(w.message) for w in caught if "self-check" in str(w.message)] == []
+    assert (result.applicable, result.passed, result.status) == (False, False, "not applicable")
+    assert "not applicable" in result.describe() and "FAILED" not in result.describe()
+    assert "offers no self-check" in result.detail
+    assert self_check.failed_check("reference") is None
+    assert self_check.self_check_results() == [result]
+    decision = decide(SPECS["prefill"])
+    assert (decision.path, decision.backend) == ("fused", "reference") and decision.detail
+    spec = SPECS["prefill"]
+    layer.call(spec, layer.inputs(spec.num_tokens, seed=7), GS)
+    c = counters.counters()
+    assert c["fused_by_backend"] == {"reference": 1} and not c["fallback"]
+    # a check offered later runs for real: the earlier "not applicable" record does not stand for a result
+    canary = Canary().install(monkeypatch)
+    assert decide(SPECS["prefill"]).path == "fused" and len(canary.calls) == 1
+    assert [r.status for r in self_check.self_check_results()] == ["passed"]

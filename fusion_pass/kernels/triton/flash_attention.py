@@ -106,8 +106,52 @@ def _attend_block(
     acc = acc * alpha[:, None]
     d_v = tl.arange(0, BLOCK_DV)
     v = _load_tokens(v_ptr, stride_vt, keys, d_v, seqlen_k, HEAD_DIM_V, MASKED, BLOCK_DV > HEAD_DIM_V)
-    acc = _dot(p.to(v.dtype), v, acc, UPCAST)
-    return acc, new_max, row_sum
+    p = p.to(v.dtype)
+    non_finite = 0
+    if MASKED and CAUSAL:
+        # A hidden key has p = 0, and 0 * NaN (or Inf) in P @ V would let a later token's non-finite value reach
+        # the earlier rows of the tile: the dot takes the values with their non-finite elements as 0, and the
+        # kernel puts back, after its last block, those of the keys each row sees (_put_back_non_finite).
+        vc = v.to(tl.float32) if UPCAST else v  # the interpreter compares bfloat16's raw bits, not its values
+        finite = (vc == vc) & (tl.abs(vc) != float("inf"))
+        non_finite = 1 - tl.min(finite.to(tl.int32))
+        v = tl.where(finite, vc, 0.0).to(v.dtype)
+    acc = _dot(p, v, acc, UPCAST)
+    return acc, new_max, row_sum, non_finite
+
+
+@triton.jit
+def _put_back_non_finite(
+    acc, v_ptr, stride_vt, key_start, key_end, seqlen_k, last_key,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """``acc`` with the non-finite values of keys ``[key_start, key_end)`` that each row sees (keys
+    ``<= last_key[row]``) put back, after the masked blocks took them as 0.
+
+    Per element: NaN if a key the row sees holds NaN there, or +Inf and -Inf both; else ``±Inf`` if one holds
+    ``±Inf`` (IEEE's ``P @ V``, up to an infinite value whose weight underflowed to 0, which ``0 * Inf`` would
+    make NaN). From the first key of each kind per column, the values read again 16 keys at a time: run only for
+    a tile whose masked blocks held a non-finite value, after the key loop.
+    """
+    never = 2147483647
+    d_v = tl.arange(0, BLOCK_DV)
+    first_nan = tl.full((BLOCK_DV,), never, tl.int32)
+    first_pos = first_nan
+    first_neg = first_nan
+    for start_n in range(key_start, key_end, 16):
+        keys = start_n + tl.arange(0, 16)
+        v = _load_tokens(v_ptr, stride_vt, keys, d_v, seqlen_k, HEAD_DIM_V, True, BLOCK_DV > HEAD_DIM_V)
+        v = v.to(tl.float32)
+        k = keys[:, None]
+        first_nan = tl.minimum(first_nan, tl.min(tl.where(v != v, k, never), axis=0))
+        first_pos = tl.minimum(first_pos, tl.min(tl.where(v == float("inf"), k, never), axis=0))
+        first_neg = tl.minimum(first_neg, tl.min(tl.where(v == float("-inf"), k, never), axis=0))
+    last = last_key[:, None]
+    nan = first_nan[None, :] <= last
+    pos = first_pos[None, :] <= last
+    neg = first_neg[None, :] <= last
+    extra = tl.where(nan | (pos & neg), float("nan"), tl.where(pos, float("inf"), float("-inf")))
+    return tl.where(nan | pos | neg, acc + extra, acc)
 
 
 @triton.jit
@@ -226,17 +270,23 @@ def _flash_attention_kernel(
         key_end = seqlen_k
         unmasked_end = (seqlen_k // BLOCK_N) * BLOCK_N
     for start_n in range(0, unmasked_end, BLOCK_N):
-        acc, row_max, row_sum = _attend_block(
+        acc, row_max, row_sum, _ = _attend_block(
             acc, row_max, row_sum, q_main, q_tail, k_base, v_base, stride_kt, stride_vt,
             start_n, rows, seqlen_k, diag, qk_scale,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=False, CAUSAL=CAUSAL, UPCAST=UPCAST,
         )
+    non_finite = 0  # a masked block's values held a non-finite element (causal only: _attend_block)
     for start_n in range(unmasked_end, key_end, BLOCK_N):
-        acc, row_max, row_sum = _attend_block(
+        acc, row_max, row_sum, block_non_finite = _attend_block(
             acc, row_max, row_sum, q_main, q_tail, k_base, v_base, stride_kt, stride_vt,
             start_n, rows, seqlen_k, diag, qk_scale,
             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=True, CAUSAL=CAUSAL, UPCAST=UPCAST,
         )
+        non_finite = non_finite | block_non_finite
+    if CAUSAL:
+        if non_finite != 0:
+            acc = _put_back_non_finite(acc, v_base, stride_vt, unmasked_end, key_end, seqlen_k, rows + diag,
+                                       HEAD_DIM_V, BLOCK_DV)
 
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     if EPILOGUE == 0:  # EPILOGUE_HALF (module constants are plain ints for the launcher)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fusion_pass.nvfp4.checks import ArgumentError
 from fusion_pass.runtime import settings
 from fusion_pass.runtime.backends import fa4, triton
 from fusion_pass.runtime.backends.base import Backend
@@ -40,6 +41,21 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"unknown backend {name!r}; backends: {', '.join(BACKEND_ORDER)}") from None
 
 
+def _device_argument(fn: str, device: Any) -> torch.device:
+    """``device`` (a ``torch.device`` or a device string such as ``"cuda"``, ``"cuda:1"``, ``"cpu"``) as a
+    ``torch.device``; else ArgumentError naming ``fn``'s ``device``."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            raise ArgumentError(f"{fn}: device must be a torch.device or a device string such as 'cuda', 'cuda:0' or "
+                                f"'cpu', got str {device!r}") from None
+    raise ArgumentError(f"{fn}: device must be a torch.device or a device string such as 'cuda', 'cuda:0' or 'cpu', "
+                        f"got {type(device).__name__} {device!r}")
+
+
 def default_device() -> torch.device:
     """The device a layer on this machine most likely runs on: the current CUDA device, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -49,7 +65,7 @@ def list_backends(device: torch.device | str | None = None) -> list[dict[str, An
     """One entry per backend, in preference order: ``{"name", "available", "reason", "auto", "auto_reason"}``:
     whether it runs here and why, and whether ``auto`` may pick it on ``device`` (default
     :func:`default_device`) and why (:meth:`~fusion_pass.runtime.backends.base.Backend.fast_on`)."""
-    device = default_device() if device is None else torch.device(device)
+    device = default_device() if device is None else _device_argument("list_backends", device)
     result = []
     for name in BACKEND_ORDER:
         ok, reason = _BACKENDS[name].available()
