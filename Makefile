@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-vllm test-vllm-conformance check-vllm-env venv clean
+.PHONY: demo test test-slow test-all test-vllm test-vllm-conformance check-vllm-env venv clean
 
 $(VENV)/.base:
 	$(PYTHON) -m venv $(VENV)
@@ -15,18 +15,33 @@ $(VENV)/.base:
 	touch $@
 
 # fa4: FlashAttention-4 imports and compiles its kernels without a GPU, so the CPU suite checks the
-# fa4 backend's detection, arguments and a compile-only build of the SM90 kernel against the real package.
+# fa4 backend's detection, arguments and a compile-only build of the SM90 and SM100 kernels against the real package.
 $(VENV)/.installed: $(VENV)/.base pyproject.toml
 	$(PY) -m pip install -q -e ".[test,fa4]"
 	touch $@
 
+# The demo needs the package alone on a CPU; on a machine with an NVIDIA driver also FlashAttention-4.
+DEMO_EXTRAS := $(if $(shell command -v nvidia-smi 2>/dev/null),[fa4],)
+$(VENV)/.demo: $(VENV)/.base pyproject.toml
+	$(PY) -m pip install -q -e ".$(DEMO_EXTRAS)"
+	touch $@
+
 venv: $(VENV)/.installed
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.demo
 	$(VENV)/bin/fusion-pass demo
 
+# Two workers (one per core on the 2-core CI machine; -n auto takes every core), a test file per worker at a time.
+# The exhaustive FA4 compile sweeps (every SM90 configuration and sweep candidate, every SM100 head-dim pair) are
+# marked slow: `make test-slow` runs them, `make test-all` both; CI runs both.
+PYTEST_PARALLEL ?= -n auto --dist loadfile
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m slow
+
+test-all: test test-slow
 
 # The vLLM suite (tests_vllm/) against the real vLLM CPU build, in its own venv (about 3.4 GB, 2-3 min
 # to create; the tests start about 8 vLLM engines, a few minutes on CPU).

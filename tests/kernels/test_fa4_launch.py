@@ -335,6 +335,7 @@ COMPILE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # an exhaustive sweep: make test-slow
 @needs_fa4
 def test_every_table_configuration_and_sweep_candidate_compiles_fused_and_twin_for_sm90():
     env = dict(os.environ, FLASH_ATTENTION_ARCH="sm_90", CUTE_DSL_ARCH="sm_90a", FLASH_ATTENTION_NUM_SMS="132")

@@ -64,6 +64,7 @@ COMPILE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # an exhaustive sweep: make test-slow
 @needs_fa4
 def test_sm100_kernel_compiles_for_every_head_dim_pair_dtype_and_configuration():
     env = dict(os.environ, **SM100_ENV)

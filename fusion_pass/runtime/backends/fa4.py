@@ -10,6 +10,7 @@ Both through :mod:`fusion_pass.kernels.fa4.forward` (``docs/fa4.md``, ``docs/bla
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Callable
 
 import torch
@@ -34,14 +35,17 @@ def device_arch(index: int | None) -> int | None:
 
 @functools.lru_cache(maxsize=None)
 def fa4_status() -> tuple[bool, str]:
-    """Whether FA4 and the subclass for this machine's GPU generation import: ``(ok, description or why)``."""
+    """Whether FA4 and the subclass for this machine's GPU generation import: ``(ok, description or why)``. Without
+    a CUDA device nothing of FA4 is imported."""
     arch = device_arch(None)
-    module = "sm100_kernel" if arch is not None and arch // 10 in (10, 11) else "sm90_kernel"
+    if arch is None:  # FA4 is not imported without a GPU (about a second and several warnings on a CPU machine)
+        installed = importlib.util.find_spec("flash_attn") is not None
+        return False, (f"no CUDA device (flash-attn-4 {'installed' if installed else 'not installed'}; not imported "
+                       f"without one)")
+    module = "sm100_kernel" if arch // 10 in (10, 11) else "sm90_kernel"
     ok, why = fa4_common.fa4_import_status(module)
     if not ok:
         return False, why
-    if arch is None:
-        return False, "no CUDA device"
     generation = {9: "SM90", 10: "SM100", 11: "SM100"}.get(arch // 10)
     if generation is None:
         return False, f"no kernel of this project for sm_{arch} (FA4 NVFP4 kernels: SM90, SM100/SM110; {why})"
