@@ -28,6 +28,7 @@ import logging
 import torch
 
 from fusion_pass.vllm import releases
+from fusion_pass.vllm.adapters.paged import PagedKVCache
 from fusion_pass.vllm.adapters.host_rows import request_rows, requests_index, standard_rows
 
 __all__ = ["DECODE_METHODS", "CpuAttnAdapter", "probe_layout", "schedule_split"]
@@ -103,20 +104,17 @@ def probe_layout(layer, dtype, kv_heads: int, block_size: int, head_size: int):
     return perms[0], perms[1]
 
 
-class CpuAttnAdapter:
+class CpuAttnAdapter(PagedKVCache):
     """vLLM's ``CPU_ATTN`` backend (module docstring)."""
 
     NAME = "CPU_ATTN"
     BUILDER = ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadataBuilder")
     SPLITS_MIXED = False  # one launch attends every row of a call
+    CACHE_DTYPES = None  # whatever the layout probe reads back (probe_layout)
 
     @staticmethod
     def rows(md, dcp_world_size: int):
         return standard_rows(md, dcp_world_size)
-
-    @staticmethod
-    def block_size(kv_cache) -> int:
-        return kv_cache.shape[2]
 
     def _layout(self, layer, kv_cache):
         key = (getattr(layer, "isa", None), kv_cache.dtype, kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3] // 2)
@@ -125,10 +123,10 @@ class CpuAttnAdapter:
         return _layouts[key]
 
     def context_refusal(self, layer, kv_cache) -> str | None:
+        shape = super().context_refusal(layer, kv_cache)
+        if shape is not None:
+            return shape
         d = layer.impl.head_size
-        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.shape[3] != 2 * d:
-            shape = list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__
-            return f"KV cache {shape} is not CPU_ATTN's [num_blocks, num_kv_heads, block_size, {2 * d}]"
         if kv_cache.stride(3) != 1 or kv_cache.stride(2) != 2 * d:
             return f"KV cache strides {kv_cache.stride()}: a block's keys and values are not contiguous per head"
         layout = self._layout(layer, kv_cache)

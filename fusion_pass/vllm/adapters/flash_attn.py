@@ -31,12 +31,13 @@ import copy
 
 import torch
 
+from fusion_pass.vllm.adapters.paged import PagedKVCache
 from fusion_pass.vllm.adapters.host_rows import request_rows, requests_index, standard_rows
 
 __all__ = ["FlashAttnAdapter"]
 
 
-class FlashAttnAdapter:
+class FlashAttnAdapter(PagedKVCache):
     """vLLM's ``FLASH_ATTN`` backend (module docstring)."""
 
     NAME = "FLASH_ATTN"
@@ -46,25 +47,6 @@ class FlashAttnAdapter:
     @staticmethod
     def rows(md, dcp_world_size: int):
         return standard_rows(md, dcp_world_size)
-
-    @staticmethod
-    def block_size(kv_cache) -> int:
-        return kv_cache.shape[2]
-
-    @staticmethod
-    def context_refusal(layer, kv_cache) -> str | None:
-        d = layer.impl.head_size
-        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.shape[3] != 2 * d:
-            shape = list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__
-            return f"KV cache {shape} is not FLASH_ATTN's [num_blocks, num_kv_heads, block_size, {2 * d}]"
-        if kv_cache.dtype not in (torch.float16, torch.bfloat16):
-            return f"KV cache dtype {kv_cache.dtype} (the fused path reads unquantized keys and values)"
-        return None
-
-    @staticmethod
-    def gather(layer, kv_cache, blocks, offsets):
-        keys, values = kv_cache.transpose(1, 2).split(layer.impl.head_size, dim=-1)
-        return keys[blocks, offsets], values[blocks, offsets]
 
     @staticmethod
     def decode_refusal(layer, md) -> str | None:

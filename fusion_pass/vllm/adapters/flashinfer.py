@@ -73,6 +73,7 @@ import inspect
 
 import torch
 
+from fusion_pass.vllm.adapters.paged import PagedKVCache
 from fusion_pass.vllm.adapters.host_rows import block_table, standard_rows
 
 __all__ = ["DECODE_KINDS", "FORWARD_DECODE_SPLIT", "FlashInferAdapter", "forward_refusal"]
@@ -125,7 +126,7 @@ def _kind(decode) -> str:
     return type(decode).__name__
 
 
-class FlashInferAdapter:
+class FlashInferAdapter(PagedKVCache):
     """vLLM's ``FLASHINFER`` backend (module docstring)."""
 
     NAME = "FLASHINFER"
@@ -137,25 +138,6 @@ class FlashInferAdapter:
         if block_table(md) is None:  # the build hook keeps the batch's block table with its host rows
             return None
         return standard_rows(md, dcp_world_size)
-
-    @staticmethod
-    def block_size(kv_cache) -> int:
-        return kv_cache.shape[2]
-
-    @staticmethod
-    def context_refusal(layer, kv_cache) -> str | None:
-        d = layer.impl.head_size
-        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4 or kv_cache.shape[3] != 2 * d:
-            shape = list(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__
-            return f"KV cache {shape} is not FLASHINFER's [num_blocks, num_kv_heads, block_size, {2 * d}]"
-        if kv_cache.dtype not in _HALF:
-            return f"KV cache dtype {kv_cache.dtype} (the fused path reads unquantized keys and values)"
-        return None
-
-    @staticmethod
-    def gather(layer, kv_cache, blocks, offsets):
-        keys, values = kv_cache.transpose(1, 2).split(layer.impl.head_size, dim=-1)
-        return keys[blocks, offsets], values[blocks, offsets]
 
     @staticmethod
     def decode_refusal(layer, md) -> str | None:
