@@ -1,6 +1,7 @@
 """The fused backends: detection, availability, selection and configuration, and their kernels' arguments."""
 
 
+import functools
 import importlib.util
 import types
 
@@ -44,6 +45,8 @@ def test_availability_is_cached(monkeypatch):
     calls = []
     try:
         with monkeypatch.context() as m:
+            # a GPU, so that FA4's import is what is checked (refresh() clears device_arch's cache: keep one)
+            m.setattr(backends.fa4, "device_arch", functools.lru_cache(maxsize=None)(lambda index: 90))
             m.setattr(backends.fa4.fa4_common, "fa4_import_status", lambda module: calls.append("fa4") or (False, "x"))
             m.setattr(backends.triton, "triton_availability", lambda: calls.append("triton") or (False, "x"))
             for _ in range(3):
