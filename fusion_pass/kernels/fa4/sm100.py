@@ -47,8 +47,9 @@ __all__ = [
     "kernel_config",
 ]
 
-KERNEL_VERSION = "fusion_pass.fa4_sm100_nvfp4/2"
-"""First element of the compile-cache key; bump it whenever ``sm100_kernel.py`` or ``nvfp4_block.py`` changes."""
+KERNEL_VERSION = "fusion_pass.fa4_sm100_nvfp4/3"
+"""First element of the compile-cache key; bump it whenever ``sm100_kernel.py``, ``sm100_twin.py`` or ``nvfp4_block.py``
+changes."""
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 """``(D, Dv)`` pairs of the SM100 kernels: standard heads of 64 and 128, DeepSeek MLA's 192/128."""
@@ -116,7 +117,8 @@ def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, cls: int, causal
     import cutlass.cute as cute
     from flash_attn.cute.cute_dsl_utils import to_cute_tensor
 
-    from fusion_pass.kernels.fa4.sm100_kernel import FlashAttentionForwardSm100Nvfp4, FlashAttentionForwardSm100Twin
+    from fusion_pass.kernels.fa4.sm100_kernel import FlashAttentionForwardSm100Nvfp4
+    from fusion_pass.kernels.fa4.sm100_twin import FlashAttentionForwardSm100Twin
 
     d, dv = q.shape[2], v.shape[2]
     qhead_per_kvhead = q.shape[1] // k.shape[1]

@@ -56,29 +56,7 @@ from flash_attn.cute.utils import AuxData
 
 from fusion_pass.kernels.fa4.nvfp4_block import BLOCK, quantize_block, store_block
 
-__all__ = ["FlashAttentionForwardSm100Nvfp4", "FlashAttentionForwardSm100Twin"]
-
-
-class FlashAttentionForwardSm100Twin(FlashAttentionForwardSm100):
-    """FA4's SM100 forward unchanged, with the argument order of the fused kernel: the bf16/fp16 output the
-    fused kernel's bytes are compared with (``mO`` written, ``mLSE`` optional ``[H, T]`` float32)."""
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: Optional[cute.Tensor],
-        softmax_scale: Float32,
-        mCuSeqlensQ: cute.Tensor,
-        mCuSeqlensK: cute.Tensor,
-        max_seqlen_q: Int32,
-        stream: cuda.CUstream = None,
-    ):
-        super().__call__(mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q=max_seqlen_q,
-                         stream=stream)
+__all__ = ["FlashAttentionForwardSm100Nvfp4"]
 
 
 class FlashAttentionForwardSm100Nvfp4(FlashAttentionForwardSm100):
