@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .entries import (Attribute, Calls, Class, Constant, Function, Module, Name, OpSchema, PluginGroup, Returns,
                      Statements)
-from .project import releases
+from .project import constant, releases
 
 RELEASES = releases().RELEASES
 """The project's supported releases (``fusion_pass.vllm.releases.RELEASES``)."""
@@ -68,18 +68,9 @@ MOVED_CALLS = {
 }
 """How the project calls each function of ``Release.modules``."""
 
-FLASHINFER_FORWARD_SPLIT = (
-    "num_actual_tokens = attn_metadata.num_actual_tokens",
-    "query = query[:num_actual_tokens]",
-    "output = output[:num_actual_tokens]",
-    "num_decode_tokens = attn_metadata.num_decode_tokens",
-    "num_prefill_tokens = attn_metadata.num_prefill_tokens",
-    "if num_prefill_tokens > 0:",
-    "prefill_query = query[num_decode_tokens:]",
-    "if num_decode_tokens > 0:",
-    "decode_query = query_padded[:decode_query_tokens]",
-)
-"""``FORWARD_DECODE_SPLIT`` of ``fusion_pass/vllm/adapters/flashinfer.py``: whole lines of ``FlashInferImpl.forward``."""
+FLASHINFER_FORWARD_SPLIT = constant("fusion_pass/vllm/adapters/flashinfer.py", "FORWARD_DECODE_SPLIT")
+"""``FORWARD_DECODE_SPLIT`` of ``fusion_pass/vllm/adapters/flashinfer.py`` (read from the file, not imported): whole
+lines of ``FlashInferImpl.forward``."""
 
 
 def _per_release() -> tuple:

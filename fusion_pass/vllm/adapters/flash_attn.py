@@ -1,6 +1,7 @@
 """The adapter for vLLM's CUDA FlashAttention backend (``FLASH_ATTN``, ``vllm/v1/attention/backends/flash_attn.py``).
 
-Written against vLLM 0.32.0's source; **not run on CUDA** (tested with a stand-in backend that records the
+Written against vLLM 0.32.0's source (the names it reads are checked in the 0.32-0.34 wheels by
+tests_vllm_conformance); **not run on CUDA** (tested with a stand-in backend that records the
 sub-batch it is given: ``tests_vllm/test_vllm_standard_op.py``).
 
 Metadata (``FlashAttentionMetadata``): ``num_actual_tokens``, ``max_query_len``, ``query_start_loc``,

@@ -4,7 +4,7 @@ vLLM builds one attention metadata object per step and KV-cache group, shared by
 what is read here is read once per step and kept on that object (:func:`standard_rows`, :func:`mla_rows`); the
 other layers' calls find it there.
 
-Where the counts come from, per metadata kind (vLLM 0.32):
+Where the counts come from, per metadata kind (vLLM 0.32-0.34):
 
 * MLA (``MLACommonMetadata``): ``num_decode_tokens`` (an int; vLLM's MLA builder orders decode rows first),
   the prefills' ``query_lens_cpu`` (a host tensor) and ``chunked_context.context_lens_list`` (a list);

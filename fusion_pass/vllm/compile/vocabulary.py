@@ -7,10 +7,7 @@ import torch
 
 from fusion_pass.patterns.vocabulary import GemmForm, OpVocabulary
 
-__all__ = ["VLLM_GEMM_FORMS", "VLLM_VERSIONS", "vllm_gemm_forms", "vllm_vocabulary"]
-
-VLLM_VERSIONS = ("0.32.",)
-"""vLLM releases the vLLM vocabulary and its run-time op were written against (prefixes)."""
+__all__ = ["VLLM_GEMM_FORMS", "vllm_gemm_forms", "vllm_vocabulary"]
 
 _NVFP4 = (("use_nvfp4", True), ("block_size", 16))  # flashinfer_mm_fp4's NVFP4 mode (else MXFP4)
 _SCALES_8X4 = (("use_8x4_sf_layout", True, "gemm_scale_layout_8x4"),)
@@ -40,8 +37,8 @@ VLLM_GEMM_FORMS = (
     ("torch_scaled_mm", ("aten", "_scaled_mm", "default", "self", "scale_a"), (), (),
      "pytorch.TorchNvFp4LinearKernel"),
 )
-"""The GEMM of every NVFP4 linear kernel of vLLM 0.32 that consumes ``scaled_fp4_quant``'s swizzled output
-(docs/vllm.md, "NVFP4 GEMM forms"). The weight-only kernels (Marlin, Humming, the W4A16 ones) and the
+"""The GEMM of every NVFP4 linear kernel of vLLM 0.32-0.34 that consumes ``scaled_fp4_quant``'s swizzled output
+(docs/vllm.md, "NVFP4 GEMM forms"; each checked in the releases' wheels by tests_vllm_conformance). The weight-only kernels (Marlin, Humming, the W4A16 ones) and the
 emulation kernel quantize no activation with it and have no form."""
 
 _REFUSED_QUANTS = (("vllm", "flashinfer_nvfp4_quantize", "default", "gemm_scale_layout_8x4"),)
