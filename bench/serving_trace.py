@@ -12,8 +12,10 @@ prefill tokens written by the fused kernel is reported under two guards:
 
 With --device cuda every busy step is also timed at the kernel level (bench/_serving_steps.py): per
 layer, the step's attention and its NVFP4 output with every row through the same FA4 kernels on all
-sides, keys of context + new tokens through cu_seqlens_k, from a preallocated per-request KV cache
-appended in place; four variants:
+sides, keys of context + new tokens from a preallocated per-request KV cache appended in place (one slab
+per layer, also seen as pages of --page-size rows: every request's region is whole pages, and its
+page-table row lists its region's pages in order); seven variants. Four take the step's keys packed
+(gathered from the slab outside the timed region, through cu_seqlens_k):
 
   unfused        FA4 bf16 over every row (decode and prefill rows in one call), then the quantizer;
   unfused_split  the rows split as the runtime splits them: decode rows by FA4 bf16 on the decode
@@ -24,33 +26,52 @@ appended in place; four variants:
                  (FA4 with the NVFP4 epilogue);
   fused_all      every row by the fused kernel in one call.
 
+Three read the slab in place through the page table (seqused_k, page_table: FA4's paged forward):
+
+  unfused_paged  FA4 bf16 paged over every row in one call, then the quantizer: what vLLM's
+                 FLASH_ATTN backend launches (one varlen launch on the paged cache), plus the quant;
+  fused_paged    every row by the fused paged kernel in one call;
+  pass_on        what the pass does with the default policy (fusion_pass.runtime.policy.verdict on
+                 this device): a step without decode rows is a "prefill" call, fused as fused_all
+                 does it; a step with decode and prefill rows a "mixed_one_call" call: fused_paged's
+                 call if the policy fuses that class, else unfused_paged's; a decode-only step is
+                 never fused by the pass (unfused_paged's calls).
+
 Per step: CUDA events around the layers' calls (eager, as vLLM runs its attention op between CUDA-graph
 pieces), median of --repeats after --warmup, fresh random queries before every call; or with --clock
 graph the layers' calls of each variant captured in one CUDA graph and replayed (GPU time alone: no host
 cost, no launch gaps; a variant that cannot be captured is timed eagerly and reported). Bytes are compared
-by pairs that make the same attention calls: fused_all == unfused (one call over every row) and
-fused == unfused_split (the same sub-batch calls), required at every step; fused == unfused is
-recorded but not required (a row's bytes may depend on the sub-batch computing it, through the tile
-configuration its longest sequence picks). Reported, per-step ratio distributions (min, p10, median,
-p90, max, overall = total / total):
+by pairs that make the same attention calls: fused_all == unfused (one call over every row),
+fused == unfused_split (the same sub-batch calls) and fused_paged == unfused_paged (the same one paged
+call), required at every step; fused == unfused and unfused_paged == unfused are recorded but not
+required (a row's bytes may depend on the sub-batch computing it, through the tile configuration its
+longest sequence picks, and on the kernel reading packed or paged keys). Reported, per-step ratio
+distributions (min, p10, median, p90, max, overall = total / total):
 
   unfused (one call) / fused (runtime)                 the runtime against the fewest-launch unfused path;
   unfused (one call) / fused_all (one call)            fusing every row, one call on each side;
   unfused (split like the runtime) / fused (runtime)   what fusing the prefill rows saves, the rest equal;
+  unfused (one paged call) / fused_paged               fusing every row, one paged call on each side;
+  unfused (one paged call) / pass_on                   the pass with its default policy against what vLLM's
+                                                       FLASH_ATTN + quant launch (the target: no step below
+                                                       0.99x, overall >= 1.00x);
 
 each beside the ceiling on paper: per layer fusion removes one memory-bound pass over the attention
 output rows it fuses (4 * R * H * Dv bytes: the bf16 output written and read back, at the H200's
-~4.8 TB/s; R = every row against unfused, the prefill rows against unfused_split) and one launch
-(--launch-us, an assumption), and the share of that saving taken. On the CPU the model runs for the
+~4.8 TB/s; R = every row against unfused and unfused_paged, the prefill rows against unfused_split,
+for pass_on every row of the steps it fuses) and one launch (--launch-us, an assumption), and the
+share of that saving taken; and pass_on's policy verdicts and its fused share of rows (rows written
+fused / all rows). On the CPU the model runs for the
 counters; --cpu-timing runs the timed steps on the reference kernels (wall time, meaningless as
 performance; the bytes are checked).
 
     python bench/serving_trace.py --tiny --json trace.json            # a CPU run (under a minute)
+    python bench/serving_trace.py --tiny --timing-only --cpu-timing --steps 6        # the timed steps' logic
     python bench/serving_trace.py --device cuda --timing-only --budget 2048 --json t2048.json --markdown t2048.md
 
 Exit code 2 when the installed fusion_pass has no per-token counters, --device cuda has no CUDA
 device, or FA4 does not run the model's attention there; 1 when the bytes of a required pair
-(fused_all == unfused, fused == unfused_split) differ at a step.
+(fused_all == unfused, fused == unfused_split, fused_paged == unfused_paged) differ at a step.
 """
 
 from __future__ import annotations
@@ -82,7 +103,7 @@ from fusion_pass.compile.graph_pass import FusionPass  # noqa: E402
 from fusion_pass.demo import workload as demo  # noqa: E402
 from fusion_pass.demo.models import release_layers  # noqa: E402
 from fusion_pass.demo.models.common import MAX_POSITION  # noqa: E402
-from fusion_pass.runtime import BatchSpec, RequestSpec, counters, settings  # noqa: E402
+from fusion_pass.runtime import BatchSpec, RequestSpec, counters, policy, settings  # noqa: E402
 
 import _serving_steps as steps_mod  # noqa: E402
 from _kernels import fa4_kernels, fa4_status, reference_kernels  # noqa: E402
@@ -208,44 +229,59 @@ RATIOS = (  # (key in the "timing" entry, baseline, fused variant, label): per-s
     ("fused", "unfused", "fused", "unfused (one call) / fused (runtime)"),
     ("fused_all", "unfused", "fused_all", "unfused (one call) / fused_all (one call)"),
     ("split", "unfused_split", "fused", "unfused (split like the runtime) / fused (runtime)"),
+    ("paged", "unfused_paged", "fused_paged", "unfused (one paged call) / fused_paged"),
+    ("pass_on", "unfused_paged", "pass_on", "unfused (one paged call) / pass_on"),
 )
+SPEEDUP_KEYS = {"fused": "speedup", "fused_all": "speedup_all", "split": "speedup_split", "paged": "speedup_paged",
+                "pass_on": "speedup_pass_on"}  # per-step entry of each ratio
 PAIR_WHAT = {"fused_all==unfused": "the same one call", "fused==unfused_split": "the same sub-batch calls",
-             "fused==unfused": "other calls: informational"}
+             "fused_paged==unfused_paged": "the same one paged call",
+             "fused==unfused": "other calls: informational",
+             "unfused_paged==unfused": "paged vs packed keys, other calls: informational"}
+PASS_ON_TARGET = {"min_step_ratio": 0.99, "min_overall": 1.0}
+"""``pass_on``'s target against ``unfused_paged``: no step below 0.99x, overall at least 1.00x."""
 
 
 def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers: int, warmup: int, repeats: int,
-               launch_us: float, seed: int, progress: bool = True, clock: str = "eager") -> dict:
+               launch_us: float, seed: int, progress: bool = True, clock: str = "eager",
+               page_size: int = steps_mod.DEFAULT_PAGE_SIZE) -> dict:
     """Time every busy step (see the module docstring); the ``timing`` entry of the JSON."""
     dims = steps_mod.attn_dims(model, tiny)
     cuda = device == "cuda"
     kernels = fa4_kernels() if cuda else reference_kernels()
-    regions, slab_rows = steps_mod.plan_regions(steps)
-    runner = steps_mod.StepRunner(kernels, dims, layers, max(slab_rows, 1), device, seed=seed)
-    per_step = []
+    regions, slab_rows = steps_mod.plan_regions(steps, align=page_size)
+    runner = steps_mod.StepRunner(kernels, dims, layers, max(slab_rows, 1), device, seed=seed, page_size=page_size)
+    per_step, verdicts = [], {}
     busy = [s for s in steps if s.chunks]
     for n, step in enumerate(busy, 1):
         spec = step.batch_spec()
         layout = steps_mod.step_layout(spec, regions)
         measured = runner.run_step(layout, warmup=warmup, repeats=repeats, clock=clock)
-        ms = measured["ms"]
-        per_step.append({"step": step.index, "kind": step.kind, "tokens": layout.tokens, "decode_rows": layout.decodes,
-                         "prefill_rows": layout.prefill_tokens, "keys": layout.cu_k[-1],
-                         "unfused_ms": ms["unfused"], "unfused_split_ms": ms["unfused_split"],
-                         "fused_ms": ms["fused"], "fused_all_ms": ms["fused_all"],
-                         "speedup": ms["unfused"] / ms["fused"], "speedup_all": ms["unfused"] / ms["fused_all"],
-                         "speedup_split": ms["unfused_split"] / ms["fused"],
-                         "ceiling_saving_ms": steps_mod.ceiling_ms(layout.tokens, dims, layers, launch_us=launch_us),
-                         "ceiling_saving_split_ms": steps_mod.split_ceiling_ms(layout, dims, layers,
-                                                                               launch_us=launch_us),
-                         "bytes_equal": measured["bytes_equal"], "eager_instead": measured["eager_instead"]})
+        ms, choice = measured["ms"], measured["pass_on"]
+        every_row = steps_mod.ceiling_ms(layout.tokens, dims, layers, launch_us=launch_us)
+        entry = {"step": step.index, "kind": step.kind, "tokens": layout.tokens, "decode_rows": layout.decodes,
+                 "prefill_rows": layout.prefill_tokens, "keys": layout.cu_k[-1],
+                 "pages": sum(-(-k // page_size) for k in layout.seqused_k),
+                 **{f"{name}_ms": ms[name] for name in steps_mod.StepRunner.VARIANTS},
+                 "pass_on": {k: choice[k] for k in ("plan", "fused", "variant")},
+                 "pass_on_fused_rows": layout.tokens if choice["fused"] else 0,
+                 "ceiling_saving_ms": every_row,
+                 "ceiling_saving_split_ms": steps_mod.split_ceiling_ms(layout, dims, layers, launch_us=launch_us),
+                 "ceiling_saving_pass_on_ms": every_row if choice["fused"] else 0.0,
+                 "bytes_equal": measured["bytes_equal"], "eager_instead": measured["eager_instead"]}
+        for key, base, variant, _ in RATIOS:
+            entry[SPEEDUP_KEYS[key]] = ms[base] / ms[variant]
+        per_step.append(entry)
+        verdicts.setdefault(choice["plan"], {"fused": choice["fused"], "variant": choice["variant"],
+                                             "why": choice["why"]})
         if progress and (n % 25 == 0 or n == len(busy)):
             print(f"  timed {n}/{len(busy)} busy steps", flush=True)
-    savings = {"unfused": [t["ceiling_saving_ms"] for t in per_step],
-               "unfused_split": [t["ceiling_saving_split_ms"] for t in per_step]}
+    savings = {"fused": "ceiling_saving_ms", "fused_all": "ceiling_saving_ms", "split": "ceiling_saving_split_ms",
+               "paged": "ceiling_saving_ms", "pass_on": "ceiling_saving_pass_on_ms"}
     ratios = {}
     for key, base, variant, label in RATIOS:
         stats = steps_mod.ratio_summary([t[f"{base}_ms"] for t in per_step], [t[f"{variant}_ms"] for t in per_step],
-                                        savings[base])
+                                        [t[savings[key]] for t in per_step])
         ratios[key] = {"label": label, "baseline": base, "variant": variant, **stats}
 
     def bytes_only_overall(base: str, rows: str) -> float | None:
@@ -266,30 +302,77 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
                  "(unfused: FA4 bf16 over every row in one call + the quantizer; unfused_split: decode rows FA4 "
                  "bf16 + row-range quantizer, prefill rows FA4 bf16 + row-range quantizer, split as the runtime "
                  "splits them; fused: decode rows as in unfused_split, prefill rows the fused kernel, as the "
-                 "runtime does; fused_all: every row fused in one call); keys context + new through cu_seqlens_k "
-                 "from a preallocated per-request KV slab appended in place, gathered into a packed workspace "
-                 "outside the timed region; "
+                 "runtime does; fused_all: every row fused in one call; unfused_paged: FA4 bf16 paged over every "
+                 "row in one call + the quantizer, as vLLM's FLASH_ATTN; fused_paged: every row fused in one paged "
+                 "call; pass_on: what the pass does under the default policy, per step: fused_all's call without "
+                 "decode rows, fused_paged's or unfused_paged's with them as the policy says for mixed_one_call, "
+                 "unfused_paged's on decode-only steps); keys context + new from a preallocated per-request KV "
+                 f"slab appended in place, read in place through a page table (pages of {page_size} rows) by the "
+                 "paged variants, gathered into a packed workspace outside the timed region (cu_seqlens_k) for "
+                 "the others; "
                  + (CLOCK_WHAT[clock] if cuda else "CPU wall time on the reference kernels (meaningless as performance)")),
         "clock": clock if cuda else "cpu",
         "eager_instead": [{"step": t["step"], "variant": v, "why": why}
                           for t in per_step for v, why in t["eager_instead"].items()],
         "dims": {"heads": dims.heads, "kv_heads": dims.kv_heads, "dqk": dims.dqk, "dv": dims.dv},
-        "warmup": warmup, "repeats": repeats, "kv_slab_rows": slab_rows,
+        "warmup": warmup, "repeats": repeats, "kv_slab_rows": runner.num_pages * page_size,
+        "page_size": page_size, "kv_pages": runner.num_pages,
         "ceiling_note": (f"per layer and step, fusing R rows removes their bf16 output's write and read back, "
                          f"4 * R * H * Dv bytes, at the H200's ~{steps_mod.H200_TBPS} TB/s, plus one launch of "
                          f"{launch_us:g} us (an assumption, --launch-us); R = every row (T) against unfused, the "
-                         f"prefill rows (P; nothing without them) against unfused_split; computed on paper, not "
+                         f"prefill rows (P; nothing without them) against unfused_split, T against unfused_paged "
+                         f"(for pass_on: T on the steps it fuses, nothing on the others); computed on paper, not "
                          f"measured"),
         "launch_us": launch_us,
         **ratios,
         "ceiling_bytes_only_overall": bytes_only_overall("unfused", "tokens"),
         "ceiling_bytes_only_overall_split": bytes_only_overall("unfused_split", "prefill_rows"),
+        "ceiling_bytes_only_overall_paged": bytes_only_overall("unfused_paged", "tokens"),
+        "pass_on_policy": pass_on_policy(per_step, ratios["pass_on"], verdicts, device),
         **{f"total_{name}_ms": sum(t[f"{name}_ms"] for t in per_step) for name in steps_mod.StepRunner.VARIANTS},
         "noise_floor": noise_floor(per_step),
         "bytes": bytes_pairs,
         "mismatched_steps": sorted({s for key in checked for s in bytes_pairs[key]["differ_at"]}),
         "per_step": per_step,
     }
+
+
+def pass_on_policy(per_step: list[dict], ratio: dict, verdicts: dict, device: str) -> dict:
+    """What ``pass_on`` did: the policy's generation and verdict per plan met, the steps per variant it ran, the
+    fused share of rows (rows written fused / all rows), the target (:data:`PASS_ON_TARGET`) against
+    ``unfused_paged``, and the noise band: on the steps where ``pass_on`` runs ``unfused_paged``'s calls their
+    ratio differs from 1 by timing noise alone."""
+    rows = sum(t["tokens"] for t in per_step)
+    fused_rows = sum(t["pass_on_fused_rows"] for t in per_step)
+    same = [t["unfused_paged_ms"] / t["pass_on_ms"] for t in per_step if t["pass_on"]["variant"] == "unfused_paged"]
+    below, overall = ratio["steps_below_0.99"], ratio["overall"]
+    return {"generation": policy.generation(device), "verdicts": verdicts,
+            "steps_by_variant": dict(Counter(t["pass_on"]["variant"] for t in per_step)),
+            "rows": rows, "fused_rows": fused_rows, "fused_share": fused_rows / rows if rows else None,
+            "target": {**PASS_ON_TARGET, "steps_below": below, "overall": overall,
+                       "met": bool(per_step) and below == 0 and overall is not None
+                       and overall >= PASS_ON_TARGET["min_overall"]},
+            "noise": {"n": len(same), "min": min(same, default=None), "max": max(same, default=None)}}
+
+
+def _pass_on_lines(t: dict) -> list[str]:
+    """``pass_on``'s policy, fused share of rows, target and noise band, in words (summary and markdown)."""
+    p = t["pass_on_policy"]
+    share = "n/a" if p["fused_share"] is None else f"{p['fused_share']:.3f}"
+    verdicts = "; ".join(f"{plan}: {'fused' if v['fused'] else 'unfused'} as {v['variant']} ({v['why']})"
+                         for plan, v in p["verdicts"].items())
+    target = p["target"]
+    noise = p["noise"]
+    lines = [f"pass_on (policy for {p['generation']}): {verdicts or 'no busy step'}",
+             f"pass_on fused share of rows: {share} ({p['fused_rows']} of {p['rows']} rows written fused); steps per "
+             f"variant: " + ", ".join(f"{k} {n}" for k, n in sorted(p["steps_by_variant"].items())),
+             f"pass_on target against unfused (one paged call): no step below {target['min_step_ratio']:.2f}x and "
+             f"overall >= {target['min_overall']:.2f}x: " + ("met" if target["met"] else "NOT met")
+             + f" ({target['steps_below']} steps below, overall {_x(target['overall'])})"]
+    if noise["n"]:
+        lines.append(f"pass_on noise band: on the {noise['n']} step(s) where pass_on makes unfused_paged's calls, "
+                     f"unfused_paged / pass_on spans {_x(noise['min'])} .. {_x(noise['max'])}")
+    return lines
 
 
 CLOCK_WHAT = {
@@ -443,7 +526,9 @@ def timing_lines(t: dict) -> list[str]:
                      f"overall {_x(r['ceiling_overall'])}; share of the possible saving taken: "
                      + ("n/a" if r["saving_taken"] is None else f"{r['saving_taken']:.0%}"))
     lines.append(f"  ceiling from bytes alone (no launch term): overall {_x(t['ceiling_bytes_only_overall'])} against "
-                 f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split)")
+                 f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split), "
+                 f"{_x(t['ceiling_bytes_only_overall_paged'])} against unfused (one paged call)")
+    lines += [f"  {line}" for line in _pass_on_lines(t)]
     lines.append(f"  totals: {_totals(t)}")
     lines.append(f"  {_noise_line(t)}")
     if t.get("eager_instead"):
@@ -458,7 +543,9 @@ def timing_lines(t: dict) -> list[str]:
 
 def _totals(t: dict) -> str:
     return (f"unfused (one call) {t['total_unfused_ms']:.1f} ms, unfused (split) {t['total_unfused_split_ms']:.1f} ms, "
-            f"fused (runtime) {t['total_fused_ms']:.1f} ms, fused_all {t['total_fused_all_ms']:.1f} ms")
+            f"fused (runtime) {t['total_fused_ms']:.1f} ms, fused_all {t['total_fused_all_ms']:.1f} ms, "
+            f"unfused (one paged call) {t['total_unfused_paged_ms']:.1f} ms, fused_paged "
+            f"{t['total_fused_paged_ms']:.1f} ms, pass_on {t['total_pass_on_ms']:.1f} ms")
 
 
 def markdown(doc: dict, command: str) -> str:
@@ -475,7 +562,8 @@ def markdown(doc: dict, command: str) -> str:
              + ("not measured" if doc["fused_fraction"]["this"] is None else f"{doc['fused_fraction']['this']:.3f}")]
     if t["skipped"]:
         return "\n".join(lines + [f"- Timing skipped: {t['skipped']}"]) + "\n"
-    lines += [f"- Method: {t['what']}", f"- Ceiling: {t['ceiling_note']}", "",
+    lines += [f"- Method: {t['what']}", f"- KV cache: pages of {t['page_size']} rows ({t['kv_pages']} pages per layer)",
+              f"- Ceiling: {t['ceiling_note']}", "",
               "| ratio | min | p10 | median | p90 | max | overall | ceiling overall | saving taken | steps < 0.99x |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key, _, _, label in RATIOS:
@@ -487,7 +575,9 @@ def markdown(doc: dict, command: str) -> str:
                      f"{r['steps_below_0.99']} of {d['n']} |")
     lines.append("")
     lines.append(f"Totals: {_totals(t)}; ceiling from bytes alone {_x(t['ceiling_bytes_only_overall'])} against "
-                 f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split).")
+                 f"unfused (one call), {_x(t['ceiling_bytes_only_overall_split'])} against unfused (split), "
+                 f"{_x(t['ceiling_bytes_only_overall_paged'])} against unfused (one paged call).")
+    lines += [line + "." for line in _pass_on_lines(t)]
     lines.append("Bytes: " + "; ".join(_bytes_line(key, pair, len(t["per_step"])) + ("" if pair["checked"] else " (not required)")
                                        for key, pair in t["bytes"].items()) + ".")
     noise = _noise_line(t)
@@ -539,6 +629,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--device cuda: how a step's variants are timed: eager (CUDA events around eager calls, "
                              "as vLLM runs its attention op between CUDA-graph pieces: host cost included) or graph "
                              "(CUDA-graph replay: GPU time alone, the server-under-CUDA-graphs view) (default eager)")
+    parser.add_argument("--page-size", type=int, default=steps_mod.DEFAULT_PAGE_SIZE, metavar="ROWS",
+                        help=f"timing: rows per page of the paged KV cache the paged variants read (default "
+                             f"{steps_mod.DEFAULT_PAGE_SIZE}, vLLM's default block size); every request's region of "
+                             f"the KV slab is whole pages")
     parser.add_argument("--timing-only", action="store_true",
                         help="time the steps but do not run the demo model (no counters: `this` is null)")
     parser.add_argument("--cpu-timing", action="store_true",
@@ -553,7 +647,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", type=Path, help="write the results as JSON to PATH")
     parser.add_argument("--markdown", metavar="PATH", type=Path, help="write a docs/benchmarks.md block to PATH")
     args = parser.parse_args(argv)
-    for name in ("budget", "steps", "max_seqs", "layers", "repeats", "workspace_tokens"):
+    for name in ("budget", "steps", "max_seqs", "layers", "repeats", "workspace_tokens", "page_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -619,11 +713,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         timing = time_trace(steps, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
                             warmup=args.warmup, repeats=args.repeats, launch_us=args.launch_us, seed=args.seed,
-                            clock=args.clock)
+                            clock=args.clock, page_size=args.page_size)
     doc = results_json(cfg, steps, run, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
                        timing=timing)
     with settings.use_context_workspace_tokens(args.workspace_tokens):
         doc["config"]["context_workspace_tokens"] = settings.context_workspace_tokens()
+    doc["config"]["page_size"] = args.page_size
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))

@@ -66,14 +66,14 @@ def _stats(values: list[float]) -> dict:
 
 
 def _instrument(calls: list) -> None:
-    """Wrap the op's entry (``attention_op._run``), the fused rows (``attention_op.run_fused``) and the two ops the
-    fallback calls; each wrapper only reads the clock and notes it (a few microseconds of its own, counted in)."""
+    """Wrap the op's entry (``attention_op._run``), the fused rows (``fused_rows.run_fused``, which ``_run`` calls
+    through its module) and the two ops the fallback calls (vLLM's, and ``fused_rows.quant_op()``'s); each wrapper only reads the clock and notes it (a few microseconds of its own, counted in)."""
     from vllm.model_executor.layers.attention.attention import get_attention_context
 
     from fusion_pass.runtime import counters
-    from fusion_pass.vllm.runtime import attention_op
+    from fusion_pass.vllm.runtime import attention_op, fused_rows
 
-    run, run_fused, quant_op = attention_op._run, attention_op.run_fused, attention_op.quant_op
+    run, run_fused, quant_op = attention_op._run, fused_rows.run_fused, fused_rows.quant_op
     clock = time.perf_counter_ns
     # time in vLLM's op, time in the quant op, clock when the fused rows began, their metadata, the decision counted
     current = [0, 0, 0, None, None]
@@ -90,9 +90,9 @@ def _instrument(calls: list) -> None:
         quant_op()(*args, **kwargs)
         current[1] += clock() - start
 
-    def timed_run_fused(backend, md, *args):
+    def timed_run_fused(decision, md, *args):
         current[2] = clock()
-        run_fused(backend, md, *args)
+        run_fused(decision, md, *args)
 
     last_metadata = [None]
 
@@ -117,8 +117,8 @@ def _instrument(calls: list) -> None:
 
     counted = counters.record
     attention_op._run = timed_run
-    attention_op.run_fused = timed_run_fused
-    attention_op.quant_op = lambda: timed_quant
+    fused_rows.run_fused = timed_run_fused
+    fused_rows.quant_op = lambda: timed_quant
     counters.record = record
 
 

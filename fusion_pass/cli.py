@@ -188,10 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_selftest(commands) -> None:
     from fusion_pass import selftest
+    from fusion_pass.runtime.backends import registry
 
     indent = " " * 14
-    head_dims = "\n".join(f"{indent}fa4 on {generation}: " + " ".join(f"({d},{dv})" for d, dv in pairs)
-                          for generation, pairs in selftest.FA4_HEAD_DIMS.items())
+    head_dims = "\n".join(f"{indent}{backend.name} on {generation}: " + " ".join(f"({d},{dv})" for d, dv in pairs)
+                          for backend in registry.BACKENDS if selftest.has_canary(backend)
+                          for generation, pairs in selftest.canary_generations(backend).items())
     description = SELFTEST_DESCRIPTION.format(
         head_dims=head_dims, heads=selftest.CANARY_HEADS, timed=", ".join(selftest.TIMED_BACKENDS),
         shapes="\n".join(indent + s.label for s in selftest.SHAPES))
@@ -307,9 +309,10 @@ def _run_dump(args: argparse.Namespace) -> int:
 def _run_backends() -> int:
     from fusion_pass.runtime.backends import list_backends
     from fusion_pass.runtime.self_check import self_check_results
-    from fusion_pass.runtime.settings import (BACKEND_ENV, CONTEXT_WORKSPACE_ENV, SELF_CHECK_ENV, SPLIT_MIXED_ENV,
-                                              configured_backend, context_workspace_tokens, self_check_mode,
-                                              split_mixed)
+    from fusion_pass.runtime import policy
+    from fusion_pass.runtime.settings import (BACKEND_ENV, CONTEXT_WORKSPACE_ENV, POLICY_ENV, SELF_CHECK_ENV,
+                                              SPLIT_MIXED_ENV, configured_backend, context_workspace_tokens,
+                                              policy_mode, self_check_mode, split_mixed)
 
     from fusion_pass.runtime.backends.selection import default_device
 
@@ -331,6 +334,13 @@ def _run_backends() -> int:
               f"calls: {split_mixed()} ({SPLIT_MIXED_ENV})")
         for result in self_check_results():
             print(f"  self-check {result.describe()}")
+        here = policy.generation(default_device())
+        print(f"\npolicy: {policy_mode()} ({POLICY_ENV}; 'always' fuses every call a backend runs): which calls auto "
+              f"fuses, per GPU generation and row plan (this machine: {here}; slower_here counts the others)")
+        for rule in policy.POLICY_TABLE:
+            mark = "*" if rule.generation == here else " "
+            print(f" {mark}{rule.generation:<6} {rule.rows:<17} {'fuse' if rule.fuse else 'unfused':<8} "
+                  f"{'measured' if rule.measured else 'not measured'}: {rule.evidence}")
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1

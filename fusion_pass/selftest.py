@@ -6,7 +6,8 @@ is the command's exit code. On a CUDA device it
 1. runs the canary of every backend that is available and offers one (``self_check_needed`` + ``canary``,
    today :class:`fusion_pass.runtime.backends.fa4.FA4Backend`) through
    :func:`fusion_pass.runtime.self_check.run_self_check`, for each head-dim pair of its kernels on the device
-   (fa4: :func:`fusion_pass.kernels.fa4.forward.supported_head_dims`) and each dtype asked for;
+   (its ``canary_head_dims``; fa4: :func:`fusion_pass.kernels.fa4.forward.supported_head_dims`) and each dtype asked
+   for;
 2. times a few prefill shapes (:data:`SHAPES`): each fused backend of :data:`TIMED_BACKENDS` against FA4's bf16
    forward + :func:`fusion_pass.kernels.quantize` and cuDNN SDPA + the same quantizer (:func:`measure_shape`);
 3. gives one verdict per backend: ``correct`` / ``FAILED (...)`` / ``no canary``, and ``faster`` / ``slower``
@@ -31,13 +32,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fusion_pass.kernels.fa4 import forward as fa4_forward
-from fusion_pass.kernels.fa4 import sm90 as fa4_sm90
-from fusion_pass.kernels.fa4 import sm100 as fa4_sm100
 from fusion_pass.runtime import self_check
-from fusion_pass.runtime.backends import selection
+from fusion_pass.runtime.backends import registry, selection
 
 __all__ = ["CANARY_HEADS", "DTYPES", "canary_kv_heads", "PATHS", "SHAPES", "TIMED_BACKENDS", "Shape", "canary_head_dims",
-           "format_report", "gpu_time_ms", "has_canary", "measure_shape", "run_canaries", "run_selftest",
+           "canary_generations", "format_report", "gpu_time_ms", "has_canary", "measure_shape", "run_canaries", "run_selftest",
            "run_timings", "verdicts", "would_check"]
 
 CANARY_HEADS = 16
@@ -52,10 +51,9 @@ def canary_kv_heads(head_dims) -> int:
 
 """Query heads of a canary configuration (the fa4 canary itself runs 3 heads on 1 KV head)."""
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-TIMED_BACKENDS = ("fa4", "triton")
-"""The fused backends the timing measures (``reference`` is the float32 oracle, not a fast path)."""
-FA4_HEAD_DIMS = {"SM90 (H100, H200)": fa4_sm90.SUPPORTED_HEAD_DIMS,
-                 "SM100/SM110 (B200, GB200)": fa4_sm100.SUPPORTED_HEAD_DIMS}
+TIMED_BACKENDS = registry.timed_names()
+"""The fused backends the timing measures: those of the registry with ``timed`` (``reference`` is the float32
+oracle, not a fast path)."""
 STANDARD_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
 """The pairs tried for a backend with a canary but no list of its own kernels (filtered by its ``supports``)."""
 REPEATS = 20
@@ -109,11 +107,19 @@ def has_canary(backend) -> bool:
 
 
 def canary_head_dims(backend, device) -> tuple[tuple[int, int], ...]:
-    """The ``(D, Dv)`` pairs whose canary runs for ``backend`` on ``device``: fa4's kernels of the device's
-    generation; for another backend the :data:`STANDARD_HEAD_DIMS` its ``supports`` accepts."""
-    if backend.name == "fa4":
-        return tuple(fa4_forward.supported_head_dims(device))
+    """The ``(D, Dv)`` pairs whose canary runs for ``backend`` on ``device``: its own ``canary_head_dims(device)``
+    where it has one (fa4: its kernels of the device's generation), else the :data:`STANDARD_HEAD_DIMS` its
+    ``supports`` accepts."""
+    own = getattr(backend, "canary_head_dims", None)
+    if callable(own):
+        return tuple(own(device))
     return tuple(p for p in STANDARD_HEAD_DIMS if backend.supports(device, torch.bfloat16, CANARY_HEADS, *p)[0])
+
+
+def canary_generations(backend) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The head-dim pairs of ``backend``'s canaries per GPU generation, as a CUDA run would check them: its own
+    ``canary_generations`` where it has them, else :data:`STANDARD_HEAD_DIMS` on ``any``."""
+    return dict(getattr(backend, "canary_generations", None) or {"any": STANDARD_HEAD_DIMS})
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -327,14 +333,14 @@ def verdicts(backends: list[dict], canaries: list[dict], timings: list[dict]) ->
 
 
 def would_check(backends: list[dict], dtypes: Sequence[torch.dtype], shapes: Sequence[Shape],
-                timing: bool, repeats: int) -> dict[str, Any]:
-    """What a CUDA run would do: canary configurations per backend and GPU generation, the timed shapes."""
+                timing: bool, repeats: int, generations: dict[str, dict] | None = None) -> dict[str, Any]:
+    """What a CUDA run would do: canary configurations per backend and GPU generation (``generations``: backend
+    name -> :func:`canary_generations`; default :data:`STANDARD_HEAD_DIMS` on ``any``), the timed shapes."""
     canaries = []
     for info in backends:
         if not info["canary"]:
             continue
-        generations = FA4_HEAD_DIMS.items() if info["name"] == "fa4" else (("any", STANDARD_HEAD_DIMS),)
-        for generation, dims in generations:
+        for generation, dims in (generations or {}).get(info["name"], {"any": STANDARD_HEAD_DIMS}).items():
             canaries.append({"backend": info["name"], "generation": generation, "head_dims": [list(p) for p in dims],
                              "dtypes": [_dtype_name(d) for d in dtypes], "num_heads": CANARY_HEADS})
     timed = {"dtype": _dtype_name(dtypes[0]), "repeats": repeats, "paths": list(PATHS.values()),
@@ -367,29 +373,31 @@ def run_selftest(device=None, *, dtypes: Sequence[torch.dtype] = tuple(DTYPES.va
                  head_dims=canary_head_dims, run_check=self_check.run_self_check, measure=measure_shape,
                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The whole self-test (module docstring). ``backends``: backend objects (default: every backend of
-    :data:`fusion_pass.runtime.backends.selection.BACKEND_ORDER`); ``cuda``: whether CUDA runs (default: torch's
+    :data:`fusion_pass.runtime.backends.registry.BACKENDS`); ``cuda``: whether CUDA runs (default: torch's
     answer); ``head_dims``, ``run_check`` and ``measure`` replace :func:`canary_head_dims`,
     :func:`fusion_pass.runtime.self_check.run_self_check` and :func:`measure_shape`."""
     asked = device is not None
     device = selection.default_device() if device is None else torch.device(device)
-    backends = [selection.get_backend(n) for n in selection.BACKEND_ORDER] if backends is None else list(backends)
+    backends = list(registry.BACKENDS if backends is None else backends)
     cuda = torch.cuda.is_available() if cuda is None else cuda
     dtypes = tuple(dtypes)
     info = []
     for backend in backends:
         ok, why = backend.available()
         info.append({"name": backend.name, "available": ok, "reason": why, "canary": has_canary(backend)})
+    generations = {backend.name: canary_generations(backend) for backend in backends}
     report: dict[str, Any] = {"device": str(device), "cuda": False, "gpu": None, "dtypes": [_dtype_name(d) for d in dtypes],
                               "backends": info, "canaries": [], "timings": [], "timing_method": None, "verdicts": {}}
     missing = _missing_device(device, cuda) if asked else None
     if missing is not None:  # a device asked for and not here: nothing checked, never a success
         report.update(reason=missing, device_missing=True,
-                      would_check=would_check(info, dtypes, shapes, timing, repeats), passed=False, exit_code=3)
+                      would_check=would_check(info, dtypes, shapes, timing, repeats, generations), passed=False,
+                      exit_code=3)
         return report
     reason = _not_here(device, cuda)
     if reason is not None:
-        report.update(reason=reason, would_check=would_check(info, dtypes, shapes, timing, repeats), passed=True,
-                      exit_code=0)
+        report.update(reason=reason, would_check=would_check(info, dtypes, shapes, timing, repeats, generations),
+                      passed=True, exit_code=0)
         return report
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)

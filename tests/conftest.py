@@ -27,10 +27,8 @@ def clean_backend_state(monkeypatch):
     split mode, no self-check results, zeroed guard counters; restored after."""
     from fusion_pass.runtime import counters, self_check, settings
 
-    monkeypatch.delenv(settings.BACKEND_ENV, raising=False)
-    monkeypatch.delenv(settings.CONTEXT_WORKSPACE_ENV, raising=False)
-    monkeypatch.delenv(settings.SELF_CHECK_ENV, raising=False)
-    monkeypatch.delenv(settings.SPLIT_MIXED_ENV, raising=False)
+    for variable in settings.environment_variables():
+        monkeypatch.delenv(variable, raising=False)
     previous = settings.set_backend(None)
     previous_workspace = settings.set_context_workspace_tokens(None)
     previous_self_check = settings.set_self_check(None)

@@ -16,14 +16,16 @@ FORBIDDEN = [
     ("fusion_pass.kernels", ("fusion_pass.runtime", "fusion_pass.ops", "fusion_pass.compile", "fusion_pass.vllm")),
     ("fusion_pass.runtime", ("fusion_pass.ops", "fusion_pass.compile", "fusion_pass.vllm", "fusion_pass.demo")),
     ("fusion_pass.runtime.backends", ("fusion_pass.runtime.guard", "fusion_pass.runtime.row_plan",
-                                      "fusion_pass.runtime.attention_call", "fusion_pass.runtime.counters")),
-    ("fusion_pass.runtime.row_plan", ("fusion_pass.runtime.guard", "fusion_pass.runtime.attention_call")),
+                                      "fusion_pass.runtime.engine", "fusion_pass.runtime.counters")),
+    ("fusion_pass.runtime.row_plan", ("fusion_pass.runtime.guard", "fusion_pass.runtime.engine")),
     ("fusion_pass.compile", ("fusion_pass.runtime", "fusion_pass.kernels", "fusion_pass.vllm", "fusion_pass.demo")),
     ("fusion_pass.patterns", ("fusion_pass.vllm", "fusion_pass.runtime", "fusion_pass.kernels")),
     ("fusion_pass.ops", ("fusion_pass.compile", "fusion_pass.vllm", "fusion_pass.demo")),
     # the vLLM integration, split by when code runs: adapters below the run time, nothing below compile time's
     ("fusion_pass.vllm.adapters", ("fusion_pass.vllm.runtime", "fusion_pass.vllm.compile", "fusion_pass.compile")),
     ("fusion_pass.vllm.runtime", ("fusion_pass.vllm.compile", "fusion_pass.compile")),
+    # vLLM is a host of the run-time core beside the project's stand-in engine, never a user of the engine
+    ("fusion_pass.vllm", ("fusion_pass.runtime.engine",)),
     ("fusion_pass.vllm.releases", ("fusion_pass.vllm.runtime", "fusion_pass.vllm.compile", "fusion_pass.vllm.adapters")),
     ("fusion_pass.vllm.notices", ("fusion_pass.vllm.runtime", "fusion_pass.vllm.compile", "fusion_pass.vllm.adapters")),
 ]
@@ -65,7 +67,34 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 def test_the_scan_sees_the_package():
     assert {"fusion_pass.runtime.guard", "fusion_pass.kernels.api", "fusion_pass.nvfp4.reference",
             "fusion_pass.compile.graph_pass", "fusion_pass.patterns.attention_quant"} <= set(MODULES)
-    assert "fusion_pass.runtime.guard" in GRAPH["fusion_pass.runtime.attention_call"]
+    assert "fusion_pass.runtime.guard" in GRAPH["fusion_pass.runtime.engine.attention_call"]
+
+
+ENGINE = "fusion_pass.runtime.engine"
+
+
+def _core_imports_of_the_engine(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of the stand-in engine by the run-time core: every module of ``fusion_pass.runtime`` outside
+    ``fusion_pass.runtime.engine`` but the package's ``__init__``, which hands the engine's public names on."""
+    return sorted((src, dst) for src, dsts in graph.items()
+                  if src.startswith("fusion_pass.runtime.") and not (src == ENGINE or src.startswith(ENGINE + "."))
+                  for dst in dsts if dst == ENGINE or dst.startswith(ENGINE + "."))
+
+
+def test_the_run_time_core_imports_nothing_of_the_stand_in_engine():
+    """runtime/ is two hosts on one core: the core (guard, policy, row plan, backends, settings, counters,
+    self-check), which vLLM's integration uses too, imports nothing of the project's engine (runtime/engine/)."""
+    assert {"fusion_pass.runtime.engine.batch", "fusion_pass.runtime.engine.attention_call"} <= set(MODULES)
+    assert _core_imports_of_the_engine(GRAPH) == []
+
+
+def test_the_core_rule_sees_a_violating_import():
+    graph = {name: set(dsts) for name, dsts in GRAPH.items()}
+    graph["fusion_pass.runtime.row_plan"].add("fusion_pass.runtime.engine.cache")
+    graph["fusion_pass.runtime.backends.selection"].add("fusion_pass.runtime.engine")
+    assert _core_imports_of_the_engine(graph) == [
+        ("fusion_pass.runtime.backends.selection", "fusion_pass.runtime.engine"),
+        ("fusion_pass.runtime.row_plan", "fusion_pass.runtime.engine.cache")]
 
 
 @pytest.mark.parametrize("part, forbidden", FORBIDDEN, ids=[p for p, _ in FORBIDDEN])
@@ -124,3 +153,37 @@ def test_no_import_module_detour_and_no_test_code_in_the_package():
             assert 'import_module("fusion_pass' not in text, f"{name} reaches the package through import_module"
         assert "quant_method" not in text or name.startswith("fusion_pass.vllm"), name
     assert not (ROOT / "fusion_pass" / "vllm" / "testing.py").exists()
+
+
+BACKEND_NAMES = {"fa4", "triton", "reference"}
+# the run time, its hosts and the kernels' launchers pick a backend's code through the backend object
+# (fusion_pass.runtime.backends.registry); the kernels' own entry points (kernels.api / kernels.choice) take a
+# user's ``backend=`` name and are not in this list
+NO_NAME_DISPATCH = ("fusion_pass.runtime", "fusion_pass.vllm", "fusion_pass.ops", "fusion_pass.selftest",
+                    "fusion_pass.kernels.launchers")
+
+
+def _backend_name_comparisons(path: Path) -> list[int]:
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            for operand in (node.left, *node.comparators):
+                items = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                if any(isinstance(c, ast.Constant) and c.value in BACKEND_NAMES for c in items):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_no_backend_name_is_dispatched_by_hand():
+    """One registry of backends: what differs between them is an attribute or method of the backend object, so no
+    module compares a backend's name with a literal to pick code."""
+    found = {name: lines for name, path in MODULES.items() if name.startswith(NO_NAME_DISPATCH)
+             for lines in [_backend_name_comparisons(path)] if lines}
+    assert found == {}, f"backend names compared by hand: {found}"
+
+
+def test_the_name_dispatch_scan_sees_a_comparison(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('def f(backend):\n    if backend.name == "fa4":\n        return 1\n'
+                   '    return backend in ("triton",)\n')
+    assert _backend_name_comparisons(bad) == [2, 4]

@@ -42,7 +42,7 @@ def no_work(monkeypatch):
         calls.append(("demo", kwargs, torch.cuda.current_device() if torch.cuda.is_available() else None))
         report = {"graphs": 0, "candidates": 0, "rewritten": 0, "refused": {}, "seconds": 0.0,
                   "runtime": {"fused": 0, "fallback": {},
-                              "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}}
+                              "tokens": {"prefill": 0, "prefill_fused": 0, "decode_fused": 0, "post_quantized": {}}}}
         return demo.DemoRun([], FusionPass(), report)
 
     def fake_summarize(directory):

@@ -10,7 +10,8 @@ OUT: torch.save({"steps": [{"kind", "taps": [(a, block_scale_a)], "tokens", "log
 "shadows", ...}], "report", "counters", "config", "unit_norm_weights"}). ``logprobs``: per prompt, per generated
 token, the ``(token id, logprob)`` of the top ``n`` (vLLM's sampler, greedy), to tell exact ties. Per call of our
 vLLM attention op (pass runs only), in call order: ``decisions`` its path ("fused") or fallback reason; ``calls``
-the decision's rows and the batch it was taken for (``decode``: decode tokens, ``decode_rows`` their rows;
+the decision's rows and the batch it was taken for (``one_call`` / ``decode_fused``: every row in one paged launch;
+``decode``: decode tokens, ``decode_rows`` their rows;
 ``query_lens`` / ``context_lens`` per prefill; ``host_copies``: the metadata kept vLLM's host copies of the batch
 through the build hook); per fused call, ``shadows`` its bytes and the exact fallback's on
 the same inputs (:func:`shadow_unfused`).
@@ -84,13 +85,13 @@ def shadow_unfused(shadows: list) -> None:
     unfused scales)`` per fused call (every layer; across two runs only the first layer's inputs are equal)."""
     import torch
 
-    from fusion_pass.vllm.runtime import attention_op, guard
+    from fusion_pass.vllm.runtime import attention_op, fused_rows, guard
 
-    run_fused = attention_op.run_fused  # looked up there by attention_op._run
+    run_fused = fused_rows.run_fused  # attention_op._run calls fused_rows.run_fused
 
-    def run_fused_and_unfused(backend_name, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
+    def run_fused_and_unfused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
                               extra=None):
-        run_fused(backend_name, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
+        run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
         packed, scales = output.clone(), output_block_scale.clone()
         if guard.is_mla(layer):
             op, heads = torch.ops.vllm.unified_mla_attention_with_output, None
@@ -99,7 +100,7 @@ def shadow_unfused(shadows: list) -> None:
         attention_op._run_unfused(op, inputs, packed, layer.layer_name, output_scale, scales, (), heads)
         shadows.append((output.clone(), output_block_scale.clone(), packed, scales))
 
-    attention_op.run_fused = run_fused_and_unfused
+    fused_rows.run_fused = run_fused_and_unfused
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -129,6 +130,7 @@ def main(spec_path: str, out_path: str) -> None:
         decisions.append(decision.reason or "fused")
         calls.append({"path": decision.path, "reason": decision.reason, "prefill_tokens": decision.prefill_tokens,
                       "fused_tokens": decision.fused_tokens, "post_quantized": dict(decision.post_quantized),
+                      "one_call": decision.one_call, "decode_fused": decision.decode_fused,
                       **batch_of_current_call(layer_name)})
         record(decision, layer_name)
 

@@ -48,8 +48,7 @@ def engine_env(multiprocessing: bool, **extra) -> dict:
     from fusion_pass.runtime import settings
 
     env = dict(os.environ)
-    for name in (settings.BACKEND_ENV, settings.CONTEXT_WORKSPACE_ENV, settings.SELF_CHECK_ENV,
-                 settings.SPLIT_MIXED_ENV):
+    for name in settings.environment_variables():
         env.pop(name, None)
     env.update({
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",

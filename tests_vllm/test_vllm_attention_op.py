@@ -285,6 +285,24 @@ def test_fused_calls_run_inside_vllms_kv_connector_hooks(monkeypatch):
     assert len(events) > 2 and set(events[1:-1]) == {"fused path reads the cache"}, events
 
 
+def test_the_op_finds_the_fused_rows_and_the_quant_op_in_their_module_at_each_call(monkeypatch):
+    """The seam tests_vllm/_engine.py and bench/vllm_op_overhead.py wrap: attention_op calls
+    ``fused_rows.run_fused`` and ``fused_rows.quant_op()`` through the module, no alias of its own."""
+    assert not hasattr(attention_op, "run_fused") and not hasattr(attention_op, "quant_op")
+    layer = VllmStructure()
+    inputs, md, kv_cache = batch(0, [4], [48])
+    monkeypatch.setattr(attention_op, "_context", lambda name: (md, layer, kv_cache))
+    seen = []
+    run_fused, quant_op = fused_rows.run_fused, fused_rows.quant_op
+    monkeypatch.setattr(fused_rows, "run_fused", lambda *a: (seen.append("fused rows"), run_fused(*a))[1])
+    monkeypatch.setattr(fused_rows, "quant_op", lambda: (seen.append("quant op"), quant_op())[1])
+    packed, scales = buffers(md.num_actual_tokens)
+    attention_op._run(None, inputs, packed, "stand_in.attn", GS, scales, (), None)
+    assert seen == ["fused rows"]
+    attention_op._run_unfused(lambda *args: None, inputs, packed, "stand_in.attn", GS, scales)
+    assert seen == ["fused rows", "quant op"]
+
+
 class RecordingMLA(VllmStructure):
     """vLLM's forward_impl for the guard, a recorder for the decode rows."""
 

@@ -84,10 +84,11 @@ def engine_models(models, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def runs(request, engine_models, tmp_path_factory):
     """(name, run with the pass, run without it); standard-attention models also with multiprocessing on (the
-    pass's run-time counters from its worker's report file: ``mp``), and with their mixed calls split
-    (``FUSION_PASS_VLLM_SPLIT_MIXED=on``; the default, off, is run by the retargeting test below)."""
+    pass's run-time counters from its worker's report file: ``mp``). Default settings: a standard layer's mixed
+    call is one fused launch over the paged cache (the split path, for backends without one, is tested on vLLM's
+    CPU backend without an engine: test_vllm_standard_op.py)."""
     name = request.param
-    split = {"FUSION_PASS_VLLM_SPLIT_MIXED": "on"} if name in STANDARD else {}  # mixed calls fused (default: off)
+    split = {}
     out = {}
     for with_pass in (True, False):
         tmp = tmp_path_factory.mktemp(f"{name}_{'pass' if with_pass else 'plain'}")
@@ -151,7 +152,11 @@ def check_rows(fa, fs, pa, ps, decode_rows: list | None, what: str) -> None:
 
 
 def _decode_rows(call) -> list | None:
-    return None if call["path"] == "fallback" else call["decode_rows"]
+    """The rows byte-equal to the unfused graph: every row of a fallback (None), the decode rows computed by vLLM
+    beside fused prefill rows, none of a call fused whole over the paged cache (every row within the bound)."""
+    if call["path"] == "fallback":
+        return None
+    return [] if call["one_call"] else call["decode_rows"]
 
 
 def check_tokens(f_step, p_step, what: str) -> bool:
@@ -207,7 +212,10 @@ def test_o_proj_nvfp4_input_bytes_equal_on_decode_rows_within_bound_on_fused_pre
     assert {"fused", "decode_tokens"} <= kinds, kinds
     assert set(kinds) <= {"fused", "decode_tokens", "no_attention_metadata"}, kinds  # every prefill row fused
     assert mixed, "no mixed (decode + prefill) batch was fused"
-    assert all(c["post_quantized"] == {"decode_tokens": c["decode"]} for c in mixed)
+    if name in STANDARD:  # every row of a standard layer's mixed call in one launch over vLLM's paged cache
+        assert all(c["one_call"] and c["decode_fused"] == c["decode"] and c["post_quantized"] == {} for c in mixed)
+    else:  # MLA: vLLM computes the decode rows, post-quantized
+        assert all(c["post_quantized"] == {"decode_tokens": c["decode"]} and not c["one_call"] for c in mixed)
     assert all(len(c["decode_rows"]) == c["decode"] for c in calls)
     if name in STANDARD:  # rows read from vLLM's host copies, kept by the hook on CPU_ATTN's metadata builder
         assert all(c["host_copies"] for c in calls if c["reason"] != "no_attention_metadata")
@@ -235,6 +243,7 @@ def test_guard_counts_every_call_and_names_each_path_once_in_vllms_log(runs):
     tokens = counters["tokens"]
     assert tokens["prefill"] > 0 and tokens["post_quantized"]["decode_tokens"] > 0
     assert tokens["prefill_fused"] == tokens["prefill"]  # every prefill token of every batch kind
+    assert (tokens["decode_fused"] > 0) is (name in STANDARD)  # a standard layer's mixed calls: one paged launch
 
 
 @pytest.mark.parametrize("runs", sorted(STANDARD), indirect=True)  # the standard configurations' runs only
@@ -298,15 +307,14 @@ def test_graphs_vllms_own_fusion_rewrote_are_retargeted_to_the_fused_call(engine
     counters = result["counters"]
     assert counters["fused"] > 0 and counters["fallback"].get("decode_tokens", 0) > 0
     plain = run_engine(tmp_path / "plain", spec(name, engine_models, False))
-    kinds = check_against_plain_run(result, plain)  # mixed calls not split: the exact fallback, every byte equal
-    if name in STANDARD:  # the default: a standard layer's mixed call is not split
-        mixed = [c for step in result["steps"] for c in step["calls"] if c["decode"] and c.get("query_lens")]
-        assert mixed and all(c["reason"] == "mixed_not_split" for c in mixed), mixed
-        prefill_only = [c for step in result["steps"] for c in step["calls"] if c.get("query_lens") and not c["decode"]]
-        assert prefill_only and all(c["path"] == "fused" for c in prefill_only), prefill_only
-        tokens = counters["tokens"]
-        assert tokens["post_quantized"]["mixed_not_split"] == sum(c["decode"] + sum(c["query_lens"]) for c in mixed)
-        assert tokens["prefill_fused"] == sum(sum(c["query_lens"]) for c in prefill_only)
-        assert counters["fallback"]["mixed_not_split"] > 0 and "mixed_not_split" in kinds
-        assert "attention + NVFP4 quant fell back (mixed_not_split)" in result["log"]
+    kinds = check_against_plain_run(result, plain)
+    calls = [c for step in result["steps"] for c in step["calls"]]
+    mixed = [c for c in calls if c["decode"] and c.get("query_lens")]
+    assert mixed, "the workload has no mixed step"
+    tokens = counters["tokens"]
+    assert tokens["prefill_fused"] == tokens["prefill"] > 0  # default settings: every prefill token fused
+    if name in STANDARD:  # the default: a standard layer's mixed call is one fused launch over the paged cache
+        assert all(c["path"] == "fused" and c["one_call"] and c["decode_fused"] == c["decode"] for c in mixed), mixed
+        assert tokens["decode_fused"] == sum(c["decode"] for c in mixed)
+        assert "mixed_not_split" not in kinds and "mixed_not_split" not in tokens["post_quantized"]
     assert check_shadows(result) == counters["fused"]

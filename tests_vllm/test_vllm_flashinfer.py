@@ -284,7 +284,10 @@ REQUESTS = [
 @pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
 def test_flashinfer_mixed_call_fuses_prefill_rows_and_decode_rows_are_flashinfers_bytes(
         monkeypatch, requests, decode_kind, kv_layout):
+    """The split: the path of a backend without a launch over the paged cache (the reference backend's hidden),
+    or of a GPU generation whose policy fuses FlashInfer's mixed calls split but not as one call (SM100)."""
     monkeypatch.delenv(settings.SPLIT_MIXED_ENV, raising=False)
+    monkeypatch.setattr(backends.get_backend("reference"), "handles_paged", False)
     layer, inputs, md, kv_cache, full = fi_batch(requests, kv_layout, decode_kind)
     rows = FI.rows(md, 1)
     decode = sum(1 for q, _ in requests if q == 1)
@@ -329,6 +332,45 @@ def test_flashinfer_mixed_call_fuses_prefill_rows_and_decode_rows_are_flashinfer
         assert ref.abs().max() > 0.05  # not a vacuous comparison
     assert not packed[n:].any()
     assert not row_scale_bytes(scales, range(n, nvfp4.round_up(n, 128))).any()
+
+
+@pytest.mark.parametrize("requests", REQUESTS[:2], ids=["mixed", "130_decodes"])
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+def test_flashinfer_mixed_call_as_one_launch_over_the_paged_cache(monkeypatch, requests, kv_layout):
+    """With a backend that has a paged launch (the default on the CPU), a mixed call is one fused launch: no
+    FlashInfer launch at all, every row the reference paged attention quantized (through the cache in place, HND or
+    NHD, the block table and sequence lengths the build hook kept), within the NVFP4 bound of FlashInfer's own."""
+    from fusion_pass.kernels import reference
+
+    monkeypatch.delenv(settings.SPLIT_MIXED_ENV, raising=False)
+    layer, inputs, md, kv_cache, _ = fi_batch(requests, kv_layout, "FIDecode")
+    rows = FI.rows(md, 1)
+    decode = sum(1 for q, _ in requests if q == 1)
+    prefill = sum(q for q, _ in requests if q > 1)
+    decision = guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
+    assert (decision.path, decision.one_call, decision.decode_fused, decision.fused_tokens) == ("fused", True, decode,
+                                                                                                prefill)
+    n = rows.num_tokens
+    unfused = unfused_attention(layer, inputs, md, kv_cache).float()
+    prefill_runs, decode_runs = len(md.prefill.wrapper.runs), list(md.decode.wrapper.runs)
+    packed, scales = buffers(n + 5)
+    fused_standard.run_fused_standard(backends.get_backend("reference"), md, layer, kv_cache, inputs, packed, GS,
+                                      scales, rows, one_call=True)
+    assert len(md.prefill.wrapper.runs) == prefill_runs and md.decode.wrapper.runs == decode_runs
+    keys, values = kv_cache.transpose(1, 2).split(D, -1)
+    seq_lens = torch.tensor([q + c for q, c in requests], dtype=torch.int32)
+    cu = torch.tensor([0] + [q for q, _ in requests]).cumsum(0).to(torch.int32)
+    out, _ = reference.paged_attention(inputs[0], keys, values, cu, seq_lens, host_rows.block_table(md), True,
+                                       layer.impl.scale)
+    want_packed, want_scales = nvfp4.quantize(out.reshape(n, K), GS)
+    assert torch.equal(packed[:n], want_packed)
+    assert torch.equal(row_scale_bytes(scales, range(n)), row_scale_bytes(want_scales, range(n)))
+    got = nvfp4.dequantize(packed[:n], scales, GS, m=n)
+    assert ((got - unfused).abs() <= 2 * nvfp4.error_bound(unfused, GS) + unfused.abs() * 2.0 ** -7).all()
+    assert unfused.abs().max() > 0.05
+    assert not packed[n:].any()
+    md.q_data_type_decode = torch.float8_e4m3fn  # vLLM would quantize the query: no one call
+    assert "q_data_type_decode" in FI.paged_refusal(layer, md, kv_cache)
 
 
 def test_flashinfer_context_is_read_as_vllms_cache_write_wrote_it():
@@ -387,8 +429,21 @@ REFUSALS = [
 ]
 
 
+ONE_CALL_REFUSED = {"dcp", "fp8_query", "fp8_prefill_query", "cascade"}  # what one paged launch cannot compute either
+
+
 @pytest.mark.parametrize("name,change,detail", REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_flashinfer_refuses_decode_rows_it_cannot_compute_apart(name, change, detail):
+def test_flashinfer_refuses_decode_rows_it_cannot_compute_apart(monkeypatch, name, change, detail):
+    """The split refuses each; the one paged launch (which reads neither FlashInfer's decode part nor its forward)
+    refuses only what it cannot compute either (DCP, FP8 queries, cascade)."""
+    layer, inputs, md, kv_cache, _ = fi_batch([(1, 40), (1, 7), (1, 3), (6, 0), (9, 25)], seed=1)
+    change(layer, md)
+    whole = guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
+    if name in ONE_CALL_REFUSED:
+        assert (whole.path, whole.reason) == ("fallback", "decode_tokens") and detail in whole.detail, whole
+    else:
+        assert (whole.path, whole.one_call, whole.decode_fused) == ("fused", True, 3), whole
+    monkeypatch.setattr(backends.get_backend("reference"), "handles_paged", False)  # the split alone
     layer, inputs, md, kv_cache, _ = fi_batch([(1, 40), (1, 7), (1, 3), (6, 0), (9, 25)])
     assert guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache).path == "fused"
     layer, inputs, md, kv_cache, _ = fi_batch([(1, 40), (1, 7), (1, 3), (6, 0), (9, 25)], seed=1)  # a new step
@@ -399,11 +454,15 @@ def test_flashinfer_refuses_decode_rows_it_cannot_compute_apart(name, change, de
     assert detail in decision.detail, decision.detail
 
 
-def test_flashinfer_refuses_decode_rows_that_are_not_first():
+def test_flashinfer_refuses_decode_rows_that_are_not_first(monkeypatch):
     """A batch FlashInfer did not order decode-first (here: a prefill before a decode request, as a one-token fresh
-    prefill lands after the prefills in vLLM's reorder): its decode part is not the step's one-token requests."""
+    prefill lands after the prefills in vLLM's reorder): its decode part is not the step's one-token requests, so
+    the split is refused; one paged launch reads the rows in any order."""
     layer, inputs, md, kv_cache, _ = fi_batch([(6, 0), (1, 40)])
     assert (md.num_decodes, md.num_prefills) == (0, 2)
+    assert guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache).one_call
+    monkeypatch.setattr(backends.get_backend("reference"), "handles_paged", False)
+    layer, inputs, md, kv_cache, _ = fi_batch([(6, 0), (1, 40)])
     decision = guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
     assert (decision.reason, decision.post_quantized) == ("decode_tokens", {"decode_tokens": 7})
     assert "decode part (0 request(s), 0 token(s)) is not the step's 1 one-token request(s) first" in decision.detail

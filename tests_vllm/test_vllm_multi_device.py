@@ -66,7 +66,7 @@ def test_two_ranks_each_rewrite_and_fuse_their_layers(models, tmp_path, parallel
     for r in ranks:
         runtime = r["runtime_process"]
         assert runtime["fused"] > 0 and runtime["fused_by_backend"] == {"reference": runtime["fused"]}
-        assert runtime["tokens"] == {"prefill": per_rank_layers * prefill, "prefill_fused": per_rank_layers * prefill,
+        assert runtime["tokens"] == {"prefill": per_rank_layers * prefill, "prefill_fused": per_rank_layers * prefill, "decode_fused": 0,
                                      "post_quantized": {"decode_tokens": per_rank_layers * decode}}, r
     # the graph dumps: one per rank, the fused calls writing the NVFP4 bytes of the heads the rank holds
     paths = sorted(dump.glob("run_*/graph_*_report.json"))

@@ -180,6 +180,6 @@ def test_counters_reach_the_report_of_a_process_that_is_killed(tmp_path, sig):
     assert report["pid"] == proc.pid and report["graphs"] == 1 and report["written_on"] == "counters"
     runtime = report["runtime_process"]
     assert runtime["fused"] == calls and runtime["fallback"] == {"decode_tokens": calls}
-    assert runtime["tokens"] == {"prefill": 7 * calls, "prefill_fused": 7 * calls,
+    assert runtime["tokens"] == {"prefill": 7 * calls, "prefill_fused": 7 * calls, "decode_fused": 0,
                                  "post_quantized": {"decode_tokens": 3 * calls}}
     assert sorted(p.name for p in (tmp_path / "reports").iterdir()) == [path.name]

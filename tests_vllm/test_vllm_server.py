@@ -123,7 +123,7 @@ def test_served_model_fuses_and_its_counters_survive_a_default_stop(models, tmp_
     # tokens are counted per layer: every prompt token of every request fused (MLA), every decode token
     # (max_tokens - 1 per request) post-quantized as the unfused graph does
     prefill = LAYERS * sum(len(p) for p in PREFILL + MIXED)
-    assert worker["tokens"] == {"prefill": prefill, "prefill_fused": prefill,
+    assert worker["tokens"] == {"prefill": prefill, "prefill_fused": prefill, "decode_fused": 0,
                                 "post_quantized": {"decode_tokens": LAYERS * 4 * len(MIXED)}}, worker
     assert summary["tokens"] == worker["tokens"] and summary["rewritten"] == 2
     assert set(worker["fallback"]) <= {"decode_tokens", "no_attention_metadata"} and worker["fallback"]["decode_tokens"]

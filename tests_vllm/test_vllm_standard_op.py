@@ -22,10 +22,12 @@ CPU = ADAPTERS["CPU_ATTN"]
 
 
 @pytest.fixture(autouse=True)
-def _split_mixed_calls():
+def _split_mixed_calls(monkeypatch):
     """The tests below exercise the split of a mixed call (decode rows by vLLM's backend on a sub-batch beside the
-    fused prefill rows), which is off by default: on here; the default is tested by
-    ``test_guard_does_not_split_a_mixed_call_by_default``."""
+    fused prefill rows): the path of a backend without a launch over the paged cache (the reference backend's is
+    hidden here), split on. The default (one fused call over the paged cache) is tested by
+    ``test_guard_does_not_split_a_mixed_call_by_default`` and ``test_vllm_one_call.py``."""
+    monkeypatch.setattr(backends.get_backend("reference"), "handles_paged", False)
     with settings.use_split_mixed("on"):
         yield
 
@@ -127,7 +129,8 @@ def test_guard_does_not_split_a_mixed_call_by_default(monkeypatch, seed):
     """Generated batches of decode requests, prefills and prefills with context, in vLLM's request order: with the
     split off (the default: no setting, no environment variable) a call with decode and prefill rows takes the exact
     fallback whole (``mixed_not_split``, every row counted), a call of prefills alone is fused, a call of decodes
-    alone falls back as before; with the split on the same mixed call is fused beside its decode rows."""
+    alone falls back as before; with the split on the same mixed call is fused beside its decode rows. A backend with a
+    launch over the paged cache fuses the mixed call whole by default (every row, decode rows counted as fused)."""
     monkeypatch.delenv(settings.SPLIT_MIXED_ENV, raising=False)
     gen = torch.Generator().manual_seed(seed)
     layer = _standard_guard_layer()
@@ -161,6 +164,17 @@ def test_guard_does_not_split_a_mixed_call_by_default(monkeypatch, seed):
             assert split.post_quantized == ({"decode_tokens": decode} if decode else {}), requests
         else:
             assert split == default
+        monkeypatch.setattr(backends.get_backend("reference"), "handles_paged", True)
+        _, inputs, md, kv_cache, _ = batch(requests)
+        with settings.use_split_mixed(None):
+            whole = guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache)
+        if decode and prefill:
+            assert (whole.path, whole.one_call, whole.fused_tokens, whole.decode_fused) == ("fused", True, prefill,
+                                                                                          decode), requests
+            assert whole.post_quantized == {} and "one launch over the paged KV cache" in whole.detail
+        else:
+            assert (whole.path, whole.reason, whole.one_call) == (default.path, default.reason, False), requests
+        monkeypatch.setattr(backends.get_backend("reference"), "handles_paged", False)
 
 
 def test_guard_names_a_backend_without_adapter():

@@ -196,6 +196,7 @@ ENTRIES = (
     Attribute(COMMON_METADATA, "seq_lens_cpu_upper_bound"),
     Attribute(COMMON_METADATA, "num_reqs"),
     Attribute(COMMON_METADATA, "block_table_tensor"),
+    Attribute(COMMON_METADATA, "seq_lens"),  # adapters/paged.py: one paged launch reads every request's keys
     Attribute(f"{MLA}.MLACommonMetadata", "num_actual_tokens"),
     Attribute(f"{MLA}.MLACommonMetadata", "num_decode_tokens"),
     Attribute(f"{MLA}.MLACommonMetadata", "num_prefills"),
@@ -269,6 +270,7 @@ ENTRIES = (
     Attribute(f"{FLASHINFER}.FlashInferMetadata", "q_data_type_decode"),
     Attribute(f"{FLASHINFER}.FlashInferMetadata", "prefill"),
     Attribute(f"{FLASHINFER}.FlashInferMetadata", "decode"),
+    Attribute(f"{FLASHINFER}.FlashInferMetadata", "causal"),  # one_call_refusal
     Class(f"{FLASHINFER}.FIDecode"),  # DECODE_KINDS: by class name
     Class(f"{FLASHINFER}.FlashInferTrtllmAPIDecode"),
     Attribute(f"{FLASHINFER}.FlashInferTrtllmAPIDecode", "kernel"),
@@ -278,7 +280,7 @@ ENTRIES = (
     Function(f"{FLASHINFER}.FlashInferImpl.forward",
              params=("layer", "query", "key", "value", "kv_cache", "attn_metadata"), keywords=("output",)),
     Statements(f"{FLASHINFER}.FlashInferImpl.forward", statements=FLASHINFER_FORWARD_SPLIT, whole_lines=True),
-    Attribute(f"{FLASHINFER}.FlashInferImpl", "head_size"),
+    Attribute(f"{FLASHINFER}.FlashInferImpl", "head_size"),  # also the paged views: transpose(1, 2).split(...)
     Attribute(f"{FLASHINFER}.FlashInferImpl", "scale"),  # runtime/fused_standard.py: the softmax scale
     Attribute(f"{FLASHINFER}.FlashInferImpl", "sinks"),
 

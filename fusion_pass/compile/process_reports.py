@@ -28,7 +28,7 @@ def report_files(directory: str | Path) -> list[Path]:
 def _tokens(runtime: dict) -> dict:
     tokens = runtime.get("tokens") or {}
     return {"prefill": int(tokens.get("prefill", 0)), "prefill_fused": int(tokens.get("prefill_fused", 0)),
-            "post_quantized": dict(tokens.get("post_quantized") or {})}
+            "decode_fused": int(tokens.get("decode_fused", 0)), "post_quantized": dict(tokens.get("post_quantized") or {})}
 
 
 def summarize(directory: str | Path) -> dict:
@@ -36,7 +36,7 @@ def summarize(directory: str | Path) -> dict:
 
     Returns ``{"processes": [...], "graphs", "candidates", "rewritten", "refused": {reason: n}, "left": {reason: n},
     "fused": n, "fused_by_backend": {name: n}, "fallback": {reason: n},
-    "tokens": {"prefill": n, "prefill_fused": n, "post_quantized": {reason: n}}}``; each process entry has the
+    "tokens": {"prefill": n, "prefill_fused": n, "decode_fused": n, "post_quantized": {reason: n}}}``; each process entry has the
     same run-time keys (its own counts) and ``file`` (relative to ``directory``), ``pid``, ``written_on``
     (``"graph"``, ``"counters"``, ``"exit"``; None for older reports), ``notices`` (why the pass could not act in
     that process: ``[{"key", "message"}]``, :mod:`fusion_pass.vllm.notices`). The run-time counts are each process's
@@ -54,7 +54,7 @@ def summarize(directory: str | Path) -> dict:
             f"docs/vllm.md)")
     refused, left, fused_by, fallback, post = Counter(), Counter(), Counter(), Counter(), Counter()
     totals = {"graphs": 0, "candidates": 0, "rewritten": 0, "fused": 0}
-    prefill = prefill_fused = 0
+    prefill = prefill_fused = decode_fused = 0
     processes = []
     for path in paths:
         try:
@@ -76,6 +76,7 @@ def summarize(directory: str | Path) -> dict:
         fallback.update(runtime.get("fallback") or {})
         prefill += tokens["prefill"]
         prefill_fused += tokens["prefill_fused"]
+        decode_fused += tokens["decode_fused"]
         post.update(tokens["post_quantized"])
         processes.append({"file": str(path.relative_to(directory)), "pid": report.get("pid"),
                           "graphs": report.get("graphs", 0), "candidates": report.get("candidates", 0),
@@ -88,7 +89,8 @@ def summarize(directory: str | Path) -> dict:
     return {"processes": processes, **totals, "refused": dict(refused), "left": dict(left),
             "fused_by_backend": dict(fused_by),
             "fallback": dict(fallback),
-            "tokens": {"prefill": prefill, "prefill_fused": prefill_fused, "post_quantized": dict(post)}}
+            "tokens": {"prefill": prefill, "prefill_fused": prefill_fused, "decode_fused": decode_fused,
+                       "post_quantized": dict(post)}}
 
 
 def format_summary(summary: dict) -> str:
@@ -117,7 +119,9 @@ def format_summary(summary: dict) -> str:
         + f"refused: {reasons(summary['refused'])}",
         f"run time: {summary['fused']} fused calls ({reasons(summary['fused_by_backend'])}), "
         f"fallback calls: {reasons(summary['fallback'])}",
-        f"tokens: {t['prefill_fused']} of {t['prefill']} prefill tokens fused, post-quantized: "
+        f"tokens: {t['prefill_fused']} of {t['prefill']} prefill tokens fused"
+        + (f", {t['decode_fused']} decode tokens fused with them" if t.get("decode_fused") else "")
+        + ", post-quantized: "
         f"{reasons(t['post_quantized'])}",
     ]
     return "\n".join(lines)

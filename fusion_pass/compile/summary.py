@@ -27,7 +27,9 @@ def summarize(report: dict) -> str:
         f"run time: {runtime_counts['fused']} fused calls, fallback calls: {_counts(runtime_counts['fallback'])} (the "
         f"calls of the {layers} rewritten layer{'s' if layers != 1 else ''})",
         f"tokens, summed over every call of those layers (each prefill token once per layer): "
-        f"{tokens['prefill_fused']} of {tokens['prefill']} prefill tokens fused{share}, post-quantized: "
+        f"{tokens['prefill_fused']} of {tokens['prefill']} prefill tokens fused{share}"
+        + (f", {tokens['decode_fused']} decode tokens fused with them" if tokens.get("decode_fused") else "")
+        + ", post-quantized: "
         f"{_counts(tokens['post_quantized'])}",
     ]
     if cached and not report["graphs"]:

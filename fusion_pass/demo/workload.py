@@ -157,6 +157,7 @@ def _counter_delta(before: dict, after: dict) -> dict:
     t0, t1 = before["tokens"], after["tokens"]
     post = {k: v - t0["post_quantized"].get(k, 0) for k, v in t1["post_quantized"].items()}
     tokens = {"prefill": t1["prefill"] - t0["prefill"], "prefill_fused": t1["prefill_fused"] - t0["prefill_fused"],
+              "decode_fused": t1["decode_fused"] - t0["decode_fused"],
               "post_quantized": {k: v for k, v in post.items() if v}}
     return {"fused": after["fused"] - before["fused"], "fallback": {k: v for k, v in fallback.items() if v},
             "fused_by_backend": {k: v for k, v in by_backend.items() if v}, "tokens": tokens}

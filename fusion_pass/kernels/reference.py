@@ -8,12 +8,14 @@ inputs' device.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
 from fusion_pass.nvfp4.reference import write_rows
 
-__all__ = ["dense_attention", "merge_attention", "merge_nvfp4", "varlen_attention"]
+__all__ = ["dense_attention", "gather_paged", "merge_attention", "merge_nvfp4", "paged_attention", "varlen_attention"]
 
 
 def _check_heads(name: str, heads: int, num_heads: int) -> None:
@@ -174,6 +176,49 @@ def varlen_attention(q, k, v, cu_seqlens, causal, softmax_scale, cu_seqlens_k) -
             )
     return out, lse
 
+
+def gather_paged(cache: Tensor, seqused_k: Tensor, page_table: Tensor) -> tuple[Tensor, Tensor]:
+    """The keys (or values) of every sequence of a paged cache laid out contiguously: ``(dense [sum Lk, Hkv, D],
+    cu_seqlens_k int32 [B + 1])`` on the cache's device, where sequence ``b``'s ``Lk = seqused_k[b]`` rows are
+    ``cache[page_table[b, j // page_size], j % page_size]`` for ``j < Lk`` (``cache [num_pages, page_size, Hkv,
+    D]``, any strides). Only the pages the first ``ceil(Lk / page_size)`` entries of each row list are read, and
+    of the last one only the slots below ``Lk``. Reads ``seqused_k`` and ``page_table`` back."""
+    page_size = cache.shape[1]
+    lengths = [int(n) for n in seqused_k.tolist()]
+    table = page_table.tolist()
+    if len(table) != len(lengths):
+        raise ValueError(f"page_table has {len(table)} rows for {len(lengths)} sequences (seqused_k)")
+    parts = []
+    for b, n in enumerate(lengths):
+        pages = -(-n // page_size)
+        if n < 0 or pages > len(table[b]):
+            raise ValueError(f"sequence {b}: {n} keys need {pages} pages of {page_size} slots; its page_table row "
+                             f"lists {len(table[b])}")
+        if n:
+            index = torch.tensor(table[b][:pages], dtype=torch.long, device=cache.device)
+            parts.append(cache[index].flatten(0, 1)[:n])
+    dense = torch.cat(parts) if parts else cache.new_empty((0, *cache.shape[2:]))
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=cache.device)
+    return dense, cu
+
+
+def paged_attention(q, k_cache, v_cache, cu_seqlens, seqused_k, page_table, causal, softmax_scale) -> tuple[Tensor, Tensor]:
+    """float32 ``(out [T, H, Dv], lse [T, H])`` of attention over a paged KV cache, FlashAttention's / vLLM's paged
+    varlen semantics: sequence ``b``'s queries are rows ``[c[b], c[b+1])`` of ``q [T, H, D]`` (``c =
+    cu_seqlens``), its ``Lk = seqused_k[b]`` keys and values the slots of the pages row ``b`` of ``page_table``
+    lists (:func:`gather_paged`: key ``j`` is ``k_cache[page_table[b, j // page_size], j % page_size]``;
+    ``k_cache [num_pages, page_size, Hkv, D]``, ``v_cache [num_pages, page_size, Hkv, Dv]``, any strides: an
+    HND cache seen through ``.transpose(1, 2)`` or keys and values split from one tensor's last dim); causal
+    attention aligned bottom-right (query ``i`` sees keys ``j <= i + Lk - Lq``). It is :func:`varlen_attention`
+    over the gathered keys, so its NaN / Inf semantics are :func:`dense_attention`'s, and nothing the sequences
+    do not use (table entries past ``ceil(Lk / page_size)``, slots past ``Lk``, pages not listed) is read.
+    Rows outside every sequence: ``out`` 0, ``lse`` -inf. Reads ``cu_seqlens``, ``seqused_k`` and
+    ``page_table`` back."""
+    if len(cu_seqlens) != len(seqused_k) + 1:
+        raise ValueError(f"cu_seqlens has {len(cu_seqlens)} entries for {len(seqused_k)} sequences (seqused_k)")
+    k, cu_k = gather_paged(k_cache, seqused_k, page_table)
+    v, _ = gather_paged(v_cache, seqused_k, page_table)
+    return varlen_attention(q, k, v, cu_seqlens, causal, softmax_scale, cu_k)
 
 
 def merge_nvfp4(out_a, lse_a, out_b, lse_b, global_scale, packed, scales, row_start) -> None:

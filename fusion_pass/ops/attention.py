@@ -1,6 +1,6 @@
 """The attention ops ``attention_with_output`` and ``mla_attention_with_output``: their argument contracts and
 their registration. A call is checked here (every argument, before anything runs), then handed down to the run
-time (:func:`fusion_pass.runtime.attention_call.run`: guard decision, row plan, backend, kernel).
+time (:func:`fusion_pass.runtime.engine.attention_call.run`: guard decision, row plan, backend, kernel).
 
 Without ``output_scale`` the op writes attention in the query dtype; with it, NVFP4: ``output`` uint8
 ``[T, H*Dv/2]``, ``output_scale`` the global scale (float32, one element) and ``output_block_scale`` the
@@ -17,8 +17,9 @@ from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.nvfp4.checks import check_global_scale
 from fusion_pass.ops.library import dense, fake, impl
 from fusion_pass.ops.quant import QUANT_INPUT_DTYPES
-from fusion_pass.runtime import attention_call, counters
-from fusion_pass.runtime.registry import UnknownLayerError
+from fusion_pass.runtime import counters
+from fusion_pass.runtime.engine import attention_call
+from fusion_pass.runtime.engine.registry import UnknownLayerError
 
 __all__ = ["check_attention_call", "runtime_counters"]
 
@@ -119,7 +120,7 @@ def runtime_counters(layers=None) -> dict:
 
 
 def _layer(op: str, layer_name):
-    """The layer's runtime; an unknown name is an :class:`~fusion_pass.runtime.registry.UnknownLayerError`
+    """The layer's runtime; an unknown name is an :class:`~fusion_pass.runtime.UnknownLayerError`
     (a KeyError and an ArgumentError) starting with the op's name."""
     if not isinstance(layer_name, str):
         raise ArgumentError(f"{op}: layer_name must be a str, got {type(layer_name).__name__} {layer_name!r}")

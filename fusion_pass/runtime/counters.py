@@ -43,13 +43,14 @@ _PATHS = frozenset(("fused", "partial", "fallback"))
 class _Counts:
     """One set of counters: the process total, or one layer's."""
 
-    __slots__ = ("fused_by_backend", "fallback", "prefill", "prefill_fused", "post_quantized")
+    __slots__ = ("fused_by_backend", "fallback", "prefill", "prefill_fused", "decode_fused", "post_quantized")
 
     def __init__(self) -> None:
         self.fused_by_backend: dict[str, int] = {}
         self.fallback: dict[str, int] = {}
         self.prefill = 0
         self.prefill_fused = 0
+        self.decode_fused = 0
         self.post_quantized: dict[str, int] = {}
 
     def add(self, decision: Decision, calls: int = 1) -> None:
@@ -60,6 +61,7 @@ class _Counts:
             self.fallback[decision.reason] = self.fallback.get(decision.reason, 0) + calls
         self.prefill += decision.prefill_tokens * calls
         self.prefill_fused += decision.fused_tokens * calls
+        self.decode_fused += decision.decode_fused * calls
         for reason, n in decision.post_quantized.items():
             self.post_quantized[reason] = self.post_quantized.get(reason, 0) + n * calls
 
@@ -182,8 +184,9 @@ def _layer_names(layers) -> list[str]:
 
 def counters(layers: Iterable[str] | str | None = None) -> dict[str, Any]:
     """A snapshot: calls ``{"fused": int, "fused_by_backend": {name: int}, "fallback": {reason: int}}``
-    and tokens ``"tokens": {"prefill": int, "prefill_fused": int, "post_quantized": {reason: int}}``
-    (summed over the calls, i.e. over layers: a fraction ``prefill_fused / prefill`` is per token).
+    and tokens ``"tokens": {"prefill": int, "prefill_fused": int, "decode_fused": int, "post_quantized":
+    {reason: int}}`` (summed over the calls, i.e. over layers: a fraction ``prefill_fused / prefill`` is per
+    token; ``decode_fused``: decode rows written by one fused launch with the rest of their call).
 
     ``layers``: None (the default) for the whole process; else layer names (one name, or an iterable of
     them): the sum over the calls counted under those layers (a name never counted adds nothing, so an
@@ -194,7 +197,7 @@ def counters(layers: Iterable[str] | str | None = None) -> dict[str, Any]:
     fused_by_backend: dict[str, int] = {}
     fallback: dict[str, int] = {}
     post: dict[str, int] = {}
-    prefill = prefill_fused = 0
+    prefill = prefill_fused = decode_fused = 0
     with _lock:
         _armed = bool(_listeners)  # before the read: a call recorded from here on reaches the listeners
         _fold()
@@ -206,11 +209,13 @@ def counters(layers: Iterable[str] | str | None = None) -> dict[str, Any]:
                     target[key] = target.get(key, 0) + n
             prefill += c.prefill
             prefill_fused += c.prefill_fused
+            decode_fused += c.decode_fused
     return {
         "fused": sum(fused_by_backend.values()),
         "fused_by_backend": fused_by_backend,
         "fallback": fallback,
-        "tokens": {"prefill": prefill, "prefill_fused": prefill_fused, "post_quantized": post},
+        "tokens": {"prefill": prefill, "prefill_fused": prefill_fused, "decode_fused": decode_fused,
+                   "post_quantized": post},
     }
 
 

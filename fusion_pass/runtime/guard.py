@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from fusion_pass.runtime import backends, self_check
+from fusion_pass.runtime import backends, policy, self_check, settings
 from fusion_pass.runtime.backends.base import fuses
 
 __all__ = ["BatchRows", "Decision", "FALLBACK_REASONS", "LayerShape", "decide"]
@@ -37,6 +37,7 @@ FALLBACK_REASONS = (
     "mixed_not_split",
     "no_backend",
     "no_fast_backend",
+    "slower_here",
     "self_check_failed",
     "self_check_pending",
     "kv_dtype",
@@ -51,7 +52,10 @@ rows of a mixed batch whose prefill rows are fused; ``no_attention_metadata`` (v
 and ``mixed_not_split`` (a standard layer's call with decode and prefill rows, not split into two calls:
 :data:`fusion_pass.runtime.settings.SPLIT_MIXED_MODES`) come from the vLLM adapter; ``no_fast_backend``: a
 backend could run the layer, but ``auto`` takes only one this project measured faster than the unfused path on
-the device's GPU generation (name one to run it anyway); ``self_check_failed``: the backend's kernel differed
+the device's GPU generation (name one to run it anyway); ``slower_here``: ``auto``'s backend runs the call, but
+the measured policy says fusing a call of its class is slower on this GPU generation than the unfused path
+(:mod:`fusion_pass.runtime.policy`; ``FUSION_PASS_POLICY=always`` or a named backend fuses it anyway);
+``self_check_failed``: the backend's kernel differed
 from its unfused twin on the first-use canary and is disabled for the process; ``self_check_pending``: the
 canary has not run yet and cannot run now (a CUDA graph is being captured) (:mod:`fusion_pass.runtime.self_check`);
 ``kv_dtype``: keys / values in another dtype than the query, which the selected backend would round to the query
@@ -113,13 +117,14 @@ class Decision:
     ``backend``; ``reason`` is None), ``"partial"`` (some prefill rows are:
     those of prefills with cached context the backend does not run are not) or
     ``"fallback"`` (no row is; ``reason`` is one of :data:`FALLBACK_REASONS`,
-    ``backend`` is None). ``detail`` says
+    ``backend`` is None); ``one_call``: the fused backend writes every row of the call, decode rows included, in
+    one launch over the caller's paged KV cache. ``detail`` says
     more: the batch composition for the batch reasons, every backend's refusal
     for ``"no_backend"``, the chosen backend's description when fused.
 
-    Per token: ``prefill_tokens`` of the batch, ``fused_tokens`` written by the
-    fused backend, ``post_quantized`` ``{reason: tokens}`` for the rest (a
-    mixed batch's decode rows under ``"decode_tokens"``).
+    Per token: ``prefill_tokens`` of the batch, ``fused_tokens`` of them written by the
+    fused backend, ``decode_fused`` decode rows written by it (a one-call decision), ``post_quantized``
+    ``{reason: tokens}`` for the rest (a split mixed batch's decode rows under ``"decode_tokens"``).
     """
 
     path: Literal["fused", "partial", "fallback"]
@@ -129,6 +134,12 @@ class Decision:
     prefill_tokens: int = 0
     fused_tokens: int = 0
     post_quantized: dict = field(default_factory=dict)
+    decode_fused: int = 0
+
+    @property
+    def one_call(self) -> bool:
+        """Every row, decode rows included, written by one fused launch over the paged cache."""
+        return self.decode_fused > 0
 
     @classmethod
     def fallback(cls, reason: str, detail: str, prefill_tokens: int = 0, tokens: int = 0) -> "Decision":
@@ -142,7 +153,8 @@ class Decision:
 
 
 def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None, decode_refusal: str | None = None,
-           context_refusal: str | None = None, allow_partial: bool = True) -> Decision:
+           context_refusal: str | None = None, allow_partial: bool = True,
+           one_call_refusal: str | None = "the caller offers no paged cache", split_free: bool = False) -> Decision:
     """Which rows of the call the fused backend writes.
 
     Checked in this order; the first that holds post-quantizes every row:
@@ -154,6 +166,8 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     5. cached context and ``context_refusal`` (the caller cannot read it): ``"chunked_prefill"``;
     6. no backend is selected for ``layer``: ``"no_backend"`` with each backend's reason in ``detail``, or
        ``"no_fast_backend"`` when one could run it but ``auto`` takes none that is not measured fast here;
+    6a. under ``auto``, the measured policy refuses the call's row plan on this GPU generation
+       (:func:`fusion_pass.runtime.policy.verdict`): ``"slower_here"``;
     6b. ``layer.kv_dtype`` is set, not the query dtype, and the backend's ``kv_dtype`` is not float32 (it would
        round the keys and values the unfused computation attends over as given): ``"kv_dtype"``;
     7. no prefill the backend runs (every prefill has cached context and the backend does not run such
@@ -165,6 +179,14 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     Otherwise the prefill rows the backend runs (:func:`fuses`) are fused and the rest post-quantized: decode
     rows counted under ``"decode_tokens"``, rows of prefills with cached context the backend does not run under
     ``"chunked_prefill"``. ``path`` is ``"fused"`` when every prefill row is fused, ``"partial"`` when some are.
+
+    One call: a call with decode rows whose caller can hand the whole call to one launch over its paged KV cache
+    (``one_call_refusal`` None) and whose backend runs such a launch (``handles_paged``) is fused whole, decode
+    rows included (``Decision.one_call``); checks 4 and 5 then do not apply (they are about computing decode rows
+    apart and reading context into a workspace), and are made after 6 instead when the backend has no paged
+    launch. The row plan the policy is asked about: ``prefill`` without decode rows, else ``mixed_one_call``,
+    ``mixed_split_free`` (``split_free``: the caller's unfused path computes decode rows apart anyway) or
+    ``mixed_split``.
     """
     t, d, prefill = rows.num_tokens, rows.decode_tokens, rows.prefill_tokens
     with_context = sum(1 for c in rows.context_lens if c)
@@ -178,10 +200,19 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
         return fallback("decode_tokens", f"{d} decode token(s), no prefill")
     if unsupported:
         return fallback("layer_not_supported", unsupported)
-    if d and decode_refusal:
-        return fallback("decode_tokens", f"{d} decode token(s) beside {prefill} prefill token(s): {decode_refusal}")
-    if with_context and context_refusal:
-        return fallback("chunked_prefill", f"{with_context} prefill request(s) with cached context: {context_refusal}")
+    offered = bool(d) and one_call_refusal is None
+
+    def apart() -> Decision | None:  # checks 4 and 5: decode rows computed apart, context read into a workspace
+        if d and decode_refusal:
+            return fallback("decode_tokens", f"{d} decode token(s) beside {prefill} prefill token(s): {decode_refusal}")
+        if with_context and context_refusal:
+            return fallback("chunked_prefill",
+                            f"{with_context} prefill request(s) with cached context: {context_refusal}")
+        return None
+
+    refused = None if offered else apart()
+    if refused is not None:
+        return refused
     backend, why = backends.select_backend(layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
                                            layer.v_head_dim)
     if backend is None:
@@ -191,6 +222,29 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     if layer.kv_dtype not in (None, layer.dtype) and getattr(backend, "kv_dtype", None) != torch.float32:
         return fallback("kv_dtype", f"keys / values in {layer.kv_dtype} beside {layer.dtype} queries: backend "
                                     f"{backend.name} computes attention with them in the query dtype")
+    one_call = offered and getattr(backend, "handles_paged", False)
+    auto, one_call_evidence = settings.configured_backend() == "auto", ""
+    if one_call and auto:
+        one_call, one_call_evidence = policy.verdict(layer.device, "mixed_one_call")
+    if offered and not one_call:  # the rows are written apart after all: checks 4 and 5
+        refused = apart()
+        if refused is not None:
+            return refused
+    if auto and not one_call:
+        plan = "prefill" if not d else "mixed_split_free" if split_free else "mixed_split"
+        fast, evidence = policy.verdict(layer.device, plan)
+        if not fast:
+            also = f"; one fused call over the paged cache neither: {one_call_evidence}" if one_call_evidence else ""
+            return fallback("slower_here", f"backend {backend.name} runs this call, but fusing a {plan} call is not "
+                                           f"faster on {policy.generation(layer.device)}: {evidence}{also}")
+    if one_call:
+        refused, checked = self_check.verify(backend, layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
+                                             layer.v_head_dim, layer.num_kv_heads)
+        if refused:
+            return fallback(refused, checked)
+        detail = why + (f"; {checked}" if checked.startswith("self-check passed") else "") \
+            + f"; every row in one launch over the paged KV cache ({d} decode row(s) fused)"
+        return Decision("fused", None, backend.name, detail, prefill, prefill, {}, d)
     fused = sum(q for q, c in zip(rows.query_lens, rows.context_lens) if fuses(backend, c))
     context = ("" if fused == prefill else f"; {prefill - fused} row(s) of prefills with cached context "
                f"post-quantized: backend {backend.name} runs prefills without cached context only")

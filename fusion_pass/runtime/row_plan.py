@@ -6,7 +6,7 @@ into what a fused backend's kernel takes and writes them back:
 
 * the layer's runtime gives dense ``q``/``k``/``v`` of the prefills (``impl.prefill_qkv``; MLA: keys and values
   up-projected through ``kv_b_proj``), appending the new tokens to its cache, and the prefills' cached context
-  as a source of rows (:data:`~fusion_pass.runtime.cache.ContextRows`);
+  as a source of rows (:data:`ContextRows`);
 * :func:`run_prefills`: the fused NVFP4 attention of a run of prefills at their rows: one kernel call over a
   key/value workspace of context + new tokens (``seqlen_k > seqlen_q``, causal aligned to the end) while the
   call's cached context fits the workspace bound (:func:`context_workspace_tokens`), else context chunks of
@@ -22,7 +22,7 @@ A backend is what it is given (:class:`fusion_pass.runtime.backends.Backend`: ``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -33,16 +33,23 @@ from fusion_pass.kernels.host_copy import to_device
 from fusion_pass.kernels.reference import merge_attention
 from fusion_pass.nvfp4.checks import is_int
 from fusion_pass.runtime.backends.base import fuses
-from fusion_pass.runtime.cache import ContextRows
 from fusion_pass.runtime.settings import check_token_count, context_workspace_tokens
 
 __all__ = [
+    "ContextRows",
     "check_prefills",
     "post_quantize_rows",
     "run_on_prefill",
     "run_prefills",
     "varlen_meta",
 ]
+
+ContextRows = Callable[[int, int], "tuple[Tensor, Tensor]"]
+"""``rows(lo, hi) -> (k, v)``: rows ``[lo, hi)`` of the prefills' packed cached context as keys ``[hi - lo, Hk,
+Dqk]`` and values ``[hi - lo, Hk, Dv]`` in the query dtype, made on demand (MLA: the cached latents of those rows
+up-projected), so that at most one workspace's worth is ever materialized. Each host gives its own: the stand-in
+engine's runtimes (``impl.prefill_qkv``), vLLM's paged caches (:mod:`fusion_pass.vllm.adapters.paged`)."""
+
 
 def varlen_meta(spec: Any, device: torch.device, first_row: int = 0) -> tuple[Tensor, int]:
     """``cu_seqlens`` int32 ``[B + 1]`` on ``device`` (starting at ``first_row``) and the longest query length,
@@ -180,7 +187,7 @@ def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: in
         k, v: ``[sum(query_lens), Hk, Dqk]`` / ``[sum(query_lens), Hk, Dv]``: the prefills' new keys and values,
             row ``i`` belonging to query row ``first_row + i``.
         query_lens, context_lens: per prefill (host ints), its new tokens and cached context tokens.
-        context: the prefills' cached context, packed in request order (:data:`~fusion_pass.runtime.cache.ContextRows`; None when no
+        context: the prefills' cached context, packed in request order (:data:`ContextRows`; None when no
             prefill has context). Asked for all ``C = sum(context_lens)`` rows at once within the bound, for
             at most ``bound`` rows at a time beyond it.
         output, output_scale, output_block_scale: the call's NVFP4 buffers (``T`` rows).

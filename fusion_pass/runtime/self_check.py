@@ -3,8 +3,10 @@
 A backend that offers one (``self_check_needed(device)`` and ``canary(device, dtype, num_heads, qk_head_dim,
 v_head_dim, group)``, as :class:`fusion_pass.runtime.backends.fa4.FA4Backend` does) is checked once per process and
 kernel configuration (backend, device, dtype, head dims, query heads per KV head), the first time the guard would
-fuse with it (:func:`verify`). The canary compiles and runs the fused kernel and the same forward in the query dtype +
-the reference quantizer on a few small batches; a difference disables the backend for the process: every
+fuse with it (:func:`verify`) where the check is required (:func:`required`: the backend's own answer, overridden
+by the self-check mode ``off`` or ``all``, :func:`fusion_pass.runtime.settings.self_check_mode`). The canary
+compiles and runs the fused kernel and the same forward in the query dtype + the reference quantizer on a few
+small batches; a difference disables the backend for the process: every
 later call that would use it takes the exact fallback with the reason ``self_check_failed``, and one warning
 names the configuration. The check never runs while a CUDA graph is being captured (a kernel launch there
 would be recorded, not run): such a call takes the fallback with the reason ``self_check_pending`` and the
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SelfCheckResult", "failed_check", "forget_self_checks", "offers_check", "run_self_check",
+from fusion_pass.runtime import settings
+
+__all__ = ["SelfCheckResult", "failed_check", "forget_self_checks", "offers_check", "required", "run_self_check",
            "self_check_results", "verify"]
 
 logger = logging.getLogger("fusion_pass")
@@ -88,6 +92,19 @@ def offers_check(backend) -> bool:
     return callable(getattr(backend, "self_check_needed", None)) and callable(getattr(backend, "canary", None))
 
 
+def required(backend, device) -> tuple[bool, str]:
+    """Whether ``backend`` (one that offers a check) must pass its canary before it serves ``device``, and why:
+    never with the self-check mode ``off``; with ``all`` always; with ``auto`` where the backend says so
+    (``self_check_needed``: e.g. a kernel this project never ran on hardware)."""
+    mode = settings.self_check_mode()
+    if mode == "off":
+        return False, f"self-check off ({settings.SELF_CHECK_ENV}=off)"
+    needed, why = backend.self_check_needed(device)
+    if not needed and mode == "all":
+        return True, f"self-check of every fused kernel requested ({settings.SELF_CHECK_ENV}=all)"
+    return needed, why
+
+
 def run_self_check(backend, device, dtype, num_heads, qk_head_dim, v_head_dim,
                    num_kv_heads: int | None = None) -> SelfCheckResult:
     """Run ``backend``'s canary for this configuration now (whether or not it is needed) and record it. A
@@ -142,14 +159,13 @@ def verify(backend, device, dtype, num_heads, qk_head_dim, v_head_dim,
     default ``num_heads``; the canary runs the layer's query heads per KV head, which the kernels compile for)."""
     if not offers_check(backend):
         return None, "no self-check"
-    needed = backend.self_check_needed
     with _lock:
         failed = _disabled.get(backend.name)
     if failed is not None:
         return "self_check_failed", failed.describe()
     device = _device(device)
-    required, why = needed(device)
-    if not required:
+    needed, why = required(backend, device)
+    if not needed:
         return None, why
     with _lock:
         result = _results.get(_key(backend, device, dtype, qk_head_dim, v_head_dim, num_heads, num_kv_heads))

@@ -1,5 +1,6 @@
 """The run time's settings: which fused backend serves a layer, the context workspace bound, which fused
-kernels are self-checked before their first use, and whether a vLLM standard layer splits a mixed call.
+kernels are self-checked before their first use, whether a vLLM standard layer splits a mixed call, and whether
+``auto`` follows the measured policy (:mod:`fusion_pass.runtime.policy`).
 
 Each setting is read, in order of precedence, from:
 
@@ -10,7 +11,7 @@ Each setting is read, in order of precedence, from:
 2. ``set_*(value)``: the process-wide value, seen by every thread without a ``use_*`` block of its own;
    ``set_*(None)`` goes back to the environment;
 3. the environment variable (:data:`BACKEND_ENV`, :data:`CONTEXT_WORKSPACE_ENV`, :data:`SELF_CHECK_ENV`,
-   :data:`SPLIT_MIXED_ENV`);
+   :data:`SPLIT_MIXED_ENV`, :data:`POLICY_ENV`);
 4. the default.
 
 A bad value raises :class:`~fusion_pass.nvfp4.ArgumentError` (a ValueError) naming its source before anything
@@ -29,27 +30,34 @@ from contextlib import contextmanager
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from fusion_pass.nvfp4.checks import ArgumentError, is_int
+from fusion_pass.runtime.backends import registry
 
 __all__ = [
     "BACKEND_CHOICES",
     "BACKEND_ENV",
     "CONTEXT_WORKSPACE_ENV",
     "DEFAULT_CONTEXT_WORKSPACE_TOKENS",
+    "POLICY_ENV",
+    "POLICY_MODES",
     "SELF_CHECK_ENV",
     "SELF_CHECK_MODES",
     "SPLIT_MIXED_ENV",
     "SPLIT_MIXED_MODES",
     "check_environment",
     "configured_backend",
+    "environment_variables",
     "context_workspace_tokens",
+    "policy_mode",
     "set_backend",
     "self_check_mode",
     "set_context_workspace_tokens",
+    "set_policy",
     "set_self_check",
     "set_split_mixed",
     "split_mixed",
     "use_backend",
     "use_context_workspace_tokens",
+    "use_policy",
     "use_self_check",
     "use_split_mixed",
 ]
@@ -59,8 +67,9 @@ T = TypeVar("T")
 BACKEND_ENV = "FUSION_PASS_BACKEND"
 """Environment variable pinning the backend choice (one of :data:`BACKEND_CHOICES`)."""
 
-BACKEND_CHOICES = ("auto", "fa4", "triton", "reference")
-"""Valid backend choices; ``auto`` takes the first backend of the selection order that runs the layer."""
+BACKEND_CHOICES = ("auto",) + registry.names()
+"""Valid backend choices: ``auto`` (the first backend of the selection order that runs the layer) and the name of
+each backend of :data:`fusion_pass.runtime.backends.registry.BACKENDS`."""
 
 CONTEXT_WORKSPACE_ENV = "FUSION_PASS_CONTEXT_WORKSPACE_TOKENS"
 """Environment variable setting the context workspace bound (:func:`context_workspace_tokens`)."""
@@ -87,15 +96,50 @@ backends compute every row in one launch; the split adds an attention launch and
 the H200 cost more GPU time than fusing the prefill rows saves (docs/benchmarks.md, "GPU time per step"). An MLA
 layer is not affected: vLLM's MLA layer computes its decode and prefill rows apart itself."""
 
+POLICY_ENV = "FUSION_PASS_POLICY"
+"""Environment variable choosing how ``auto`` decides per call (one of :data:`POLICY_MODES`)."""
+
+POLICY_MODES = ("measured", "always")
+"""``measured`` (the default): ``auto`` fuses a call only where :data:`fusion_pass.runtime.policy.POLICY_TABLE`
+says fusing its class is not slower on the device's GPU generation, else the call falls back (``slower_here``);
+``always``: wherever a backend runs the call."""
+
 _UNSET: Any = object()
 _ENVIRONMENT: Any = object()  # use_*(None): the environment decides, ignoring set_*
 
 
-class _Setting(Generic[T]):
-    """One setting: scoped value (context variable), process-wide value, environment variable, default."""
+def _one_of(choices: tuple[str, ...], what: str) -> Callable[[Any, str], str]:
+    """The parser of a setting that takes one of ``choices`` (a string; case and surrounding blanks ignored): a
+    bad value raises ArgumentError naming its source, ``what`` the setting takes and the choices."""
 
-    def __init__(self, name: str, env: str, default: T, parse: Callable[[Any, str], T]) -> None:
-        self.env, self.default, self.parse = env, default, parse
+    def parse(value: Any, source: str) -> str:
+        choice = value.strip().lower() if isinstance(value, str) else None
+        if choice not in choices:
+            raise ArgumentError(f"{source}={value!r} is not {what}; choose one of {', '.join(choices)}")
+        return choice
+
+    return parse
+
+
+def _token_count(value: Any, source: str) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            pass
+    if not is_int(value) or value < 1:
+        raise ArgumentError(f"{source}={value!r} must be a positive number of tokens (an int, numpy's too; the "
+                            "context workspace bound)")
+    return int(value)
+
+
+class _Setting(Generic[T]):
+    """One setting, declared once: its ``name`` (``set_<name>`` / ``use_<name>`` take ``argument``), environment
+    variable, default and parser. Read: the scoped value (context variable), the process-wide value, the
+    environment variable, the default."""
+
+    def __init__(self, name: str, argument: str, env: str, default: T, parse: Callable[[Any, str], T]) -> None:
+        self.name, self.argument, self.env, self.default, self.parse = name, argument, env, default, parse
         self._process: T | None = None
         self._lock = threading.Lock()
         self._scoped: contextvars.ContextVar[Any] = contextvars.ContextVar(f"fusion_pass_{name}", default=_UNSET)
@@ -120,56 +164,31 @@ class _Setting(Generic[T]):
         self._parsed = (raw, value)
         return value
 
-    def set(self, value: Any, source: str) -> T | None:
-        parsed = None if value is None else self.parse(value, source)
+    def set(self, value: Any) -> T | None:
+        parsed = None if value is None else self.parse(value, f"set_{self.name}({self.argument})")
         with self._lock:
             previous, self._process = self._process, parsed
         return previous
 
     @contextmanager
-    def use(self, value: Any, source: str) -> Iterator[Any]:
-        token = self._scoped.set(_ENVIRONMENT if value is None else self.parse(value, source))
+    def use(self, value: Any) -> Iterator[Any]:
+        scoped = _ENVIRONMENT if value is None else self.parse(value, f"use_{self.name}({self.argument})")
+        token = self._scoped.set(scoped)
         try:
             yield value
         finally:
             self._scoped.reset(token)
 
 
-def _choice(value: Any, source: str, choices: tuple[str, ...], what: str) -> str:
-    choice = value.strip().lower() if isinstance(value, str) else None
-    if choice not in choices:
-        raise ArgumentError(f"{source}={value!r} is not {what}; choose one of {', '.join(choices)}")
-    return choice
+_backend = _Setting("backend", "name", BACKEND_ENV, "auto", _one_of(BACKEND_CHOICES, "a backend"))
+_workspace = _Setting("context_workspace_tokens", "tokens", CONTEXT_WORKSPACE_ENV, DEFAULT_CONTEXT_WORKSPACE_TOKENS,
+                      _token_count)
+_self_check = _Setting("self_check", "mode", SELF_CHECK_ENV, "auto", _one_of(SELF_CHECK_MODES, "a self-check mode"))
+_split_mixed = _Setting("split_mixed", "mode", SPLIT_MIXED_ENV, "off", _one_of(SPLIT_MIXED_MODES, "a split mode"))
+_policy = _Setting("policy", "mode", POLICY_ENV, "measured", _one_of(POLICY_MODES, "a policy mode"))
 
-
-def _backend_choice(value: Any, source: str) -> str:
-    return _choice(value, source, BACKEND_CHOICES, "a backend")
-
-
-def _token_count(value: Any, source: str) -> int:
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            pass
-    if not is_int(value) or value < 1:
-        raise ArgumentError(f"{source}={value!r} must be a positive number of tokens (an int, numpy's too; the "
-                            "context workspace bound)")
-    return int(value)
-
-
-def _self_check_mode(value: Any, source: str) -> str:
-    return _choice(value, source, SELF_CHECK_MODES, "a self-check mode")
-
-
-def _split_mixed_mode(value: Any, source: str) -> str:
-    return _choice(value, source, SPLIT_MIXED_MODES, "a split mode")
-
-
-_backend = _Setting("backend", BACKEND_ENV, "auto", _backend_choice)
-_split_mixed = _Setting("split_mixed", SPLIT_MIXED_ENV, "off", _split_mixed_mode)
-_self_check = _Setting("self_check", SELF_CHECK_ENV, "auto", _self_check_mode)
-_workspace = _Setting("workspace", CONTEXT_WORKSPACE_ENV, DEFAULT_CONTEXT_WORKSPACE_TOKENS, _token_count)
+_SETTINGS = (_backend, _workspace, _self_check, _split_mixed, _policy)
+"""Every setting, each declared once above; :func:`check_environment` reads them all."""
 
 
 def configured_backend() -> str:
@@ -180,13 +199,13 @@ def configured_backend() -> str:
 def set_backend(name: str | None) -> str | None:
     """Pin the process-wide backend choice (``None``: back to the environment / ``auto``); returns the previous
     pinned choice (``None`` if there was none)."""
-    return _backend.set(name, "set_backend(name)")
+    return _backend.set(name)
 
 
 def use_backend(name: str | None):
     """Pin the backend choice inside the ``with`` block, for the calling thread / task only (``None``: the
     environment decides inside, ignoring :func:`set_backend`). Nestable."""
-    return _backend.use(name, "use_backend(name)")
+    return _backend.use(name)
 
 
 def context_workspace_tokens() -> int:
@@ -201,13 +220,13 @@ def context_workspace_tokens() -> int:
 def set_context_workspace_tokens(tokens: int | None) -> int | None:
     """Set the process-wide context workspace bound (``None``: back to the environment / default); returns the
     previous setting."""
-    return _workspace.set(tokens, "set_context_workspace_tokens(tokens)")
+    return _workspace.set(tokens)
 
 
 def use_context_workspace_tokens(tokens: int | None):
     """The context workspace bound inside the ``with`` block, for the calling thread / task only (``None``: the
     environment decides inside, ignoring :func:`set_context_workspace_tokens`). Nestable."""
-    return _workspace.use(tokens, "use_context_workspace_tokens(tokens)")
+    return _workspace.use(tokens)
 
 
 def self_check_mode() -> str:
@@ -218,12 +237,12 @@ def self_check_mode() -> str:
 def set_self_check(mode: str | None) -> str | None:
     """Set the process-wide self-check mode (``None``: back to the environment / ``auto``); returns the
     previous setting."""
-    return _self_check.set(mode, "set_self_check(mode)")
+    return _self_check.set(mode)
 
 
 def use_self_check(mode: str | None):
     """The self-check mode inside the ``with`` block, for the calling thread / task only. Nestable."""
-    return _self_check.use(mode, "use_self_check(mode)")
+    return _self_check.use(mode)
 
 
 def split_mixed() -> str:
@@ -235,12 +254,28 @@ def split_mixed() -> str:
 def set_split_mixed(mode: str | None) -> str | None:
     """Set the process-wide split mode (``None``: back to the environment / ``off``); returns the previous
     setting."""
-    return _split_mixed.set(mode, "set_split_mixed(mode)")
+    return _split_mixed.set(mode)
 
 
 def use_split_mixed(mode: str | None):
     """The split mode inside the ``with`` block, for the calling thread / task only. Nestable."""
-    return _split_mixed.use(mode, "use_split_mixed(mode)")
+    return _split_mixed.use(mode)
+
+
+def policy_mode() -> str:
+    """How ``auto`` decides per call (:data:`POLICY_MODES`; default ``measured``)."""
+    return _policy.get()
+
+
+def set_policy(mode: str | None) -> str | None:
+    """Set the process-wide policy mode (``None``: back to the environment / ``measured``); returns the previous
+    setting."""
+    return _policy.set(mode)
+
+
+def use_policy(mode: str | None):
+    """The policy mode inside the ``with`` block, for the calling thread / task only. Nestable."""
+    return _policy.use(mode)
 
 
 def check_token_count(source: str, tokens: Any) -> int:
@@ -248,9 +283,12 @@ def check_token_count(source: str, tokens: Any) -> int:
     return _token_count(tokens, source)
 
 
+def environment_variables() -> tuple[str, ...]:
+    """Every setting's environment variable, in declaration order."""
+    return tuple(setting.env for setting in _SETTINGS)
+
+
 def check_environment() -> None:
     """Read every setting's environment variable now: a bad value raises ValueError naming the variable."""
-    _backend.from_environment()
-    _workspace.from_environment()
-    _self_check.from_environment()
-    _split_mixed.from_environment()
+    for setting in _SETTINGS:
+        setting.from_environment()

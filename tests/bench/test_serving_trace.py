@@ -182,7 +182,7 @@ def test_help_describes_the_options(capsys):
     for option in ("--budget", "--steps", "--seed", "--model", "--tiny", "--device", "--json", "--rate",
                    "--max-seqs", "--prefix-hit-rate", "--workspace-tokens", "pure_prefill_gate", "--markdown",
                    "--timing-only", "--cpu-timing", "--launch-us", "--repeats", "--warmup", "cu_seqlens_k",
-                   "4.8 TB/s"):
+                   "4.8 TB/s", "--page-size", "unfused_paged", "fused_paged", "pass_on", "mixed_one_call"):
         assert option in out
 
 
@@ -276,6 +276,105 @@ def test_step_layout_by_hand():
     assert layout.key_rows == (100, 101, 102, 103, 104, 105, 10, 11, 12, 13, 14, 50, 51)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("page", [4, 16])
+def test_page_aligned_regions_hold_every_requests_pages(seed, page):
+    """``plan_regions(steps, align=page)``: regions start on a page and are whole pages, never overlap while
+    live, are reused; every key a step reads lies in a page of its request's region, and the step's page table
+    lists exactly those pages, in order."""
+    steps = st.generate_schedule(small_config(seed, steps=80))
+    starts, rows = steps_mod.plan_regions(steps, align=page)
+    sizes = {a.request_id: -(-(a.prompt_len + a.decode_len) // page) * page for s in steps for a in s.admitted}
+    assert set(starts) == set(sizes) and rows % page == 0
+    assert steps_mod.plan_regions(steps, align=1) == steps_mod.plan_regions(steps)
+    live = {}
+    for step in steps:
+        for a in step.admitted:
+            lo, hi = starts[a.request_id], starts[a.request_id] + sizes[a.request_id]
+            assert lo % page == 0 and 0 <= lo and hi <= rows
+            for other, (olo, ohi) in live.items():
+                assert hi <= olo or ohi <= lo, f"{a.request_id} overlaps {other}"
+            live[a.request_id] = (lo, hi)
+        spec = step.batch_spec()
+        if spec is not None:
+            layout = steps_mod.step_layout(spec, starts)
+            table = steps_mod.page_table_rows(layout, page)
+            assert len({len(r) for r in table}) == 1, "one width"
+            for r, row, keys in zip(spec.requests, table, layout.seqused_k):
+                lo, hi = live[r.request_id]
+                used = -(-keys // page)
+                assert keys == r.context_len + r.query_len and used * page <= hi - lo
+                assert list(row[:used]) == list(range(lo // page, lo // page + used))
+                assert all(p == 0 for p in row[used:])
+        for rid in step.finished:
+            del live[rid]
+    if sum(len(s.finished) for s in steps) > 2:
+        assert rows < sum(sizes.values()), "freed regions are reused"
+
+
+def test_page_table_rows_by_hand():
+    spec = Step(0, (Chunk("a", 1, 5, False), Chunk("b", 3, 2, True), Chunk("c", 2, 0, True))).batch_spec()
+    layout = steps_mod.step_layout(spec, {"a": 96, "b": 8, "c": 48})
+    assert layout.starts == (96, 8, 48) and layout.seqused_k == (6, 5, 2)
+    assert steps_mod.page_table_rows(layout, 4) == ((24, 25), (2, 3), (12, 0))
+    assert steps_mod.page_table_rows(layout, 8) == ((12,), (1,), (6,))
+    assert steps_mod.page_table_rows(layout, 1)[2] == (48, 49, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="not aligned to pages of 16 rows"):
+        steps_mod.page_table_rows(layout, 16)
+    with pytest.raises(ValueError, match="align must be >= 1"):
+        steps_mod.plan_regions([], align=0)
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_page_tables_read_back_the_workspace_keys(page):
+    """Through the page table (FlashAttention's paged semantics, ``reference.gather_paged``) every busy step of a
+    tiny trace reads from the slab's pages exactly the keys and values the packed workspace gathers."""
+    from fusion_pass.kernels import reference
+
+    steps = st.generate_schedule(st.config_from_args(st.parse_args(["--tiny", "--steps", "12",
+                                                                    "--prefix-hit-rate", "0.5"])))
+    regions, rows = steps_mod.plan_regions(steps, align=page)
+    dims = steps_mod.AttnDims(2, 1, 16, 8)
+    runner = steps_mod.StepRunner(REFERENCE_KERNELS(), dims, 2, rows, "cpu", page_size=page)
+    assert runner.k_pages[0].shape == (rows // page, page, 1, 16) and runner.v_pages[1].shape[-1] == 8
+    busy = 0
+    for step in steps:
+        if not step.chunks:
+            continue
+        busy += 1
+        layout = steps_mod.step_layout(step.batch_spec(), regions)
+        runner.prepare(layout)  # appends the step's keys, gathers the workspace
+        seqused = torch.tensor(layout.seqused_k, dtype=torch.int32)
+        table = torch.tensor(steps_mod.page_table_rows(layout, page), dtype=torch.int32)
+        tk = layout.cu_k[-1]
+        for pages, ws in zip(runner.k_pages + runner.v_pages, runner.k_ws + runner.v_ws):
+            keys, cu_k = reference.gather_paged(pages, seqused, table)
+            assert cu_k.tolist() == list(layout.cu_k)
+            assert torch.equal(keys, ws[:tk])
+    assert busy > 5
+
+
+def test_page_size_option():
+    assert st.parse_args([]).page_size == 16 == steps_mod.DEFAULT_PAGE_SIZE
+    assert st.parse_args(["--page-size", "128"]).page_size == 128
+    for bad in ("0", "-16"):
+        with pytest.raises(SystemExit):
+            st.parse_args(["--page-size", bad])
+
+
+def test_fa4_paged_entry_points_fail_only_when_used():
+    """A tree whose FA4 module lacks the paged entry points still builds the FA4 kernels; calling a missing one
+    raises a clear error."""
+    import types
+
+    kernels_mod = sys.modules["_kernels"]
+    forward = types.SimpleNamespace(fa4_attention_paged=len)
+    assert kernels_mod._fa4_entry(forward, "fa4_attention_paged") is len
+    missing = kernels_mod._fa4_entry(forward, "fa4_attention_nvfp4_paged")
+    with pytest.raises(RuntimeError, match="has no fa4_attention_nvfp4_paged"):
+        missing(None, None, None, cu_seqlens=None)
+
+
 def test_ceiling_and_ratio_summary_by_hand():
     dims = steps_mod.AttnDims(16, 16, 192, 128)
     # 1000 tokens, 2 layers: 2 * 4 * 1000 * 16 * 128 bytes at 4.8 TB/s = 3.4133 us, plus 2 launches of 5 us
@@ -325,7 +424,20 @@ def _logging_kernels(log: list):
         log.append(("quantize_rows", x.shape[0], row_start))
         ref.quantize_rows(x, gs, packed, scales, row_start)
 
-    return ref._replace(attention=attention, fused=fused, quantize_into=quantize_into, quantize_rows=quantize_rows)
+    def paged_args(name, q, k_cache, kw):
+        return (name, q.shape[0], tuple(kw["cu_seqlens"].tolist()), kw["max_seqlen"], tuple(kw["seqused_k"].tolist()),
+                tuple(map(tuple, kw["page_table"].tolist())), kw["max_seqlen_k"], k_cache.shape[1])
+
+    def attention_paged(q, k_cache, v_cache, **kw):
+        log.append(paged_args("attention_paged", q, k_cache, kw))
+        return ref.attention_paged(q, k_cache, v_cache, **kw)
+
+    def fused_paged(q, k_cache, v_cache, **kw):
+        log.append(paged_args("fused_paged", q, k_cache, kw))
+        ref.fused_paged(q, k_cache, v_cache, **kw)
+
+    return ref._replace(attention=attention, fused=fused, quantize_into=quantize_into, quantize_rows=quantize_rows,
+                        attention_paged=attention_paged, fused_paged=fused_paged)
 
 
 STEP_SHAPES = {  # (query_len, context_len) per request, decodes first
@@ -335,29 +447,48 @@ STEP_SHAPES = {  # (query_len, context_len) per request, decodes first
 }
 
 
-@pytest.mark.parametrize("shape", sorted(STEP_SHAPES))
-def test_unfused_split_makes_the_runtimes_calls_with_bf16_prefill_rows(shape):
-    """Each variant's kernel calls, layer by layer: ``unfused_split``'s decode calls are ``fused``'s, its prefill
-    attention has the offsets of ``fused``'s fused call; a step without decode rows is ``unfused``'s work, one
-    without prefill rows ``fused``'s. Checked pairs agree byte for byte, on every layer."""
+PAGE = 4  # rows per page in the hand-made steps
+
+
+def _hand_step(shape: str, log: list, *, layers: int = 3, dims=None):
+    """A runner over page-aligned regions (whole pages of :data:`PAGE` rows, in request order) for one of
+    :data:`STEP_SHAPES`, its layout, and its prepared variants (the cached context filled with randn)."""
     chunks = tuple(Chunk(f"r{i}", q, c, q > 1) for i, (q, c) in enumerate(STEP_SHAPES[shape]))
     spec = Step(0, chunks).batch_spec()
     regions, top = {}, 0
     for i, (q, c) in enumerate(STEP_SHAPES[shape]):
-        regions[f"r{i}"], top = top, top + q + c
+        regions[f"r{i}"], top = top, top + -(-(q + c) // PAGE) * PAGE
     layout = steps_mod.step_layout(spec, regions)
-    log, layers, dims = [], 3, steps_mod.AttnDims(4, 4, 48, 32)
-    runner = steps_mod.StepRunner(_logging_kernels(log), dims, layers, top, "cpu")
+    runner = steps_mod.StepRunner(_logging_kernels(log), dims or steps_mod.AttnDims(4, 4, 48, 32), layers, top,
+                                  "cpu", page_size=PAGE)
     gen = torch.Generator().manual_seed(0)
     for slab in runner.k_slab + runner.v_slab:  # the cached context, as earlier steps would have left it
         slab.normal_(generator=gen)
-    variants, fresh, outs = runner.prepare(layout)
-    fresh()
+    return runner, layout
+
+
+def _calls(variants: dict, log: list) -> dict:
     calls = {}
     for name, call in variants.items():
         log.clear()
         call()
         calls[name] = list(log)
+    return calls
+
+
+@pytest.mark.parametrize("shape", sorted(STEP_SHAPES))
+def test_unfused_split_makes_the_runtimes_calls_with_bf16_prefill_rows(shape):
+    """Each variant's kernel calls, layer by layer: ``unfused_split``'s decode calls are ``fused``'s, its prefill
+    attention has the offsets of ``fused``'s fused call; a step without decode rows is ``unfused``'s work, one
+    without prefill rows ``fused``'s; the paged variants make one paged call over every row with the regions'
+    pages. Checked pairs agree byte for byte, on every layer (and, on the reference kernels, the paged and packed
+    unfused paths too)."""
+    log, layers = [], 3
+    runner, layout = _hand_step(shape, log, layers=layers)
+    dims = runner.dims
+    variants, fresh, outs = runner.prepare(layout)
+    fresh()
+    calls = _calls(variants, log)
     d, t, cu_q, cu_k = layout.decodes, layout.tokens, layout.cu_q, layout.cu_k
     tk = cu_k[-1]
     qlens = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
@@ -375,13 +506,94 @@ def test_unfused_split_makes_the_runtimes_calls_with_bf16_prefill_rows(shape):
         assert calls["fused"] == calls["fused_all"]
     else:
         assert calls["unfused_split"] == calls["fused"] == layers * decode
-    for x, y in steps_mod.CHECKED_PAIRS:
+    seqused = tuple(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+    starts = [layout.starts[i] // PAGE for i in range(len(seqused))]
+    width = max(-(-n // PAGE) for n in seqused)
+    table = tuple(tuple(range(s, s + -(-n // PAGE))) + (0,) * (width - -(-n // PAGE)) for s, n in zip(starts, seqused))
+    paged = (t, cu_q, max(qlens), seqused, table, max(klens), PAGE)
+    assert calls["unfused_paged"] == layers * [("attention_paged", *paged), ("quantize_into", t)]
+    assert calls["fused_paged"] == layers * [("fused_paged", *paged)]
+    for x, y in steps_mod.CHECKED_PAIRS + (("unfused_paged", "unfused"),):
         for bufs_x, bufs_y in zip(outs[x], outs[y], strict=True):
             for a, b in zip(bufs_x, bufs_y, strict=True):
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (x, y)
     for p, sc in outs["unfused_split"]:  # every row written, its packed values and its block scales
         scales = nvfp4.unswizzle_scales(sc, t, dims.heads * dims.dv // 16).view(torch.uint8)
         assert p.ne(0).any(dim=1).all() and scales.ne(0).all()
+
+
+def _policy_step(shape: str, gen: str, monkeypatch, mode: str = "measured"):
+    from fusion_pass.runtime import policy, settings
+
+    monkeypatch.setattr(policy, "generation", lambda device: gen)
+    monkeypatch.delenv(settings.POLICY_ENV, raising=False)
+    log = []
+    runner, layout = _hand_step(shape, log, layers=1, dims=steps_mod.AttnDims(2, 2, 16, 16))
+    with settings.use_policy(mode):
+        choice = runner.pass_on_choice(layout)
+        variants, fresh, outs = runner.prepare(layout)
+    fresh()
+    return choice, _calls(variants, log), outs
+
+
+# per generation: the variant pass_on runs for a step of each kind (the policy table's verdicts)
+PASS_ON = {"sm90": {"prefill": "fused_all", "mixed": "unfused_paged", "decode": "unfused_paged"},
+           "cpu": {"prefill": "fused_all", "mixed": "fused_paged", "decode": "unfused_paged"},
+           "sm100": {"prefill": "fused_all", "mixed": "unfused_paged", "decode": "unfused_paged"}}
+
+
+@pytest.mark.parametrize("gen", sorted(PASS_ON))
+@pytest.mark.parametrize("shape", sorted(STEP_SHAPES))
+def test_pass_on_makes_the_calls_the_policy_table_picks(gen, shape, monkeypatch):
+    """``pass_on`` under the default policy: a step without decode rows is a ``prefill`` call (fused as
+    ``fused_all``), one with decode and prefill rows a ``mixed_one_call`` call (``fused_paged`` where the table
+    fuses it, else ``unfused_paged``), a decode-only step never fused; its calls are the chosen variant's, its
+    bytes too."""
+    from fusion_pass.runtime import policy
+
+    choice, calls, outs = _policy_step(shape, gen, monkeypatch)
+    want = PASS_ON[gen][shape]
+    plan = {"prefill": "prefill", "mixed": "mixed_one_call", "decode": "decode"}[shape]
+    assert (choice["plan"], choice["variant"], choice["fused"]) == (plan, want, want != "unfused_paged")
+    if plan != "decode":
+        assert (choice["fused"], choice["why"]) == policy.verdict("cpu", plan)
+        assert choice["fused"] == {r.rows: r.fuse for r in policy.POLICY_TABLE if r.generation == gen}[plan]
+    assert calls["pass_on"] == calls[want]
+    for a, b in zip(outs["pass_on"][0], outs[want][0]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_pass_on_fuses_mixed_steps_when_the_policy_says_always(monkeypatch):
+    choice, calls, _ = _policy_step("mixed", "sm90", monkeypatch, mode="always")
+    assert choice["variant"] == "fused_paged" and calls["pass_on"] == calls["fused_paged"]
+    choice, calls, _ = _policy_step("decode", "sm90", monkeypatch, mode="always")
+    assert choice["variant"] == "unfused_paged", "decode-only steps are never fused by the pass"
+
+
+def test_pass_on_under_the_sm90_policy_in_a_trace(trace_steps, monkeypatch):
+    """The trace's ``pass_on_policy`` entry under the SM90 table: mixed steps unfused, the fused share of rows is
+    the rows of the steps without decode rows."""
+    from fusion_pass.runtime import policy, settings
+
+    steps, layouts = trace_steps
+    few = [s for s in steps if s.index <= sorted(layouts)[4]]
+    monkeypatch.setattr(policy, "generation", lambda device: "sm90")
+    monkeypatch.delenv(settings.POLICY_ENV, raising=False)
+    with settings.use_policy("measured"):
+        t = st.time_trace(few, model="mla", tiny=True, device="cpu", layers=1, warmup=0, repeats=1, launch_us=5.0,
+                          seed=0, progress=False, page_size=4)
+    p = t["pass_on_policy"]
+    assert p["generation"] == "sm90" and t["page_size"] == 4
+    fused = [s for s in t["per_step"] if not s["decode_rows"]]
+    assert p["fused_rows"] == sum(s["tokens"] for s in fused) and p["rows"] == sum(s["tokens"] for s in t["per_step"])
+    assert [s["pass_on"]["variant"] for s in t["per_step"]] == [
+        "fused_all" if not s["decode_rows"] else "unfused_paged" for s in t["per_step"]]
+    assert p["steps_by_variant"].get("fused_paged") is None
+    if any(s["decode_rows"] and s["prefill_rows"] for s in t["per_step"]):
+        assert p["verdicts"]["mixed_one_call"]["fused"] is False
+        assert p["verdicts"]["mixed_one_call"]["why"] == policy.verdict("cuda", "mixed_one_call")[1]
+    assert any(line.startswith("  pass_on (policy for sm90): ") for line in st.timing_lines(t))
+    assert not t["mismatched_steps"]
 
 
 def test_timed_steps_on_the_cpu_agree_byte_for_byte(tmp_path, capsys):
@@ -397,17 +609,20 @@ def test_timed_steps_on_the_cpu_agree_byte_for_byte(tmp_path, capsys):
     busy = [s for s in doc["per_step"] if s["tokens"]]
     assert t["skipped"] is None and t["mismatched_steps"] == []
     assert [p["step"] for p in t["per_step"]] == [s["step"] for s in busy]
-    assert set(t["bytes"]) == {"fused_all==unfused", "fused==unfused_split", "fused==unfused"}
-    assert [k for k, v in t["bytes"].items() if v["checked"]] == ["fused_all==unfused", "fused==unfused_split"]
+    assert set(t["bytes"]) == {"fused_all==unfused", "fused==unfused_split", "fused_paged==unfused_paged",
+                               "fused==unfused", "unfused_paged==unfused"}
+    assert [k for k, v in t["bytes"].items() if v["checked"]] == ["fused_all==unfused", "fused==unfused_split",
+                                                                 "fused_paged==unfused_paged"]
     assert all(v["differ_at"] == [] for v in t["bytes"].values())
-    assert all(all(p["bytes_equal"].values()) and len(p["bytes_equal"]) == 3 for p in t["per_step"])
+    assert all(all(p["bytes_equal"].values()) and len(p["bytes_equal"]) == 5 for p in t["per_step"])
     assert any(p["decode_rows"] and p["prefill_rows"] for p in t["per_step"]), "a mixed step"
     for p in t["per_step"]:
         assert p["unfused_split_ms"] > 0 and p["speedup_split"] == pytest.approx(p["unfused_split_ms"] / p["fused_ms"])
         assert p["ceiling_saving_split_ms"] <= p["ceiling_saving_ms"]
         assert (p["ceiling_saving_split_ms"] == 0) == (p["prefill_rows"] == 0)
     labels = {"fused": "unfused (one call) / fused (runtime)", "fused_all": "unfused (one call) / fused_all (one call)",
-              "split": "unfused (split like the runtime) / fused (runtime)"}
+              "split": "unfused (split like the runtime) / fused (runtime)",
+              "paged": "unfused (one paged call) / fused_paged", "pass_on": "unfused (one paged call) / pass_on"}
     for key, label in labels.items():
         assert set(t[key]["ratio"]) == {"n", "min", "p10", "median", "p90", "max"}
         assert t[key]["ratio"]["n"] == len(busy) and t[key]["label"] == label
@@ -417,6 +632,28 @@ def test_timed_steps_on_the_cpu_agree_byte_for_byte(tmp_path, capsys):
     assert t["split"]["ratio"]["min"] == min(ratios) and t["split"]["ratio"]["max"] == max(ratios)
     assert t["split"]["overall"] == pytest.approx(t["total_unfused_split_ms"] / t["total_fused_ms"])
     assert t["total_unfused_split_ms"] == pytest.approx(sum(p["unfused_split_ms"] for p in t["per_step"]))
+    # the paged variants and the pass with the CPU's policy: every step with prefill rows fused
+    assert (t["paged"]["baseline"], t["paged"]["variant"]) == ("unfused_paged", "fused_paged")
+    assert (t["pass_on"]["baseline"], t["pass_on"]["variant"]) == ("unfused_paged", "pass_on")
+    assert t["pass_on"]["overall"] == pytest.approx(t["total_unfused_paged_ms"] / t["total_pass_on_ms"])
+    assert t["page_size"] == 16 and doc["config"]["page_size"] == 16 and t["kv_slab_rows"] == 16 * t["kv_pages"]
+    policy = t["pass_on_policy"]
+    assert policy["generation"] == "cpu"
+    for p in t["per_step"]:
+        assert p["speedup_pass_on"] == pytest.approx(p["unfused_paged_ms"] / p["pass_on_ms"])
+        assert -(-p["keys"] // 16) <= p["pages"] <= p["keys"]
+        want = ("fused_all" if not p["decode_rows"] else "fused_paged" if p["prefill_rows"] else "unfused_paged")
+        assert p["pass_on"]["variant"] == want and p["pass_on"]["fused"] == (want != "unfused_paged")
+        assert p["pass_on_fused_rows"] == (p["tokens"] if p["pass_on"]["fused"] else 0)
+    assert policy["rows"] == sum(p["tokens"] for p in t["per_step"])
+    assert policy["fused_share"] == pytest.approx(sum(p["pass_on_fused_rows"] for p in t["per_step"]) / policy["rows"])
+    decode_only = [p["tokens"] for p in t["per_step"] if not p["prefill_rows"]]
+    assert policy["fused_rows"] == policy["rows"] - sum(decode_only), "only decode-only steps are not fused"
+    assert policy["steps_by_variant"].get("unfused_paged", 0) == len(decode_only)
+    assert f"pass_on fused share of rows: {policy['fused_share']:.3f}" in out
+    assert f"pass_on fused share of rows: {policy['fused_share']:.3f}" in md.read_text()
+    assert "pass_on target against unfused (one paged call)" in out
+    assert "bytes fused_paged==unfused_paged (the same one paged call): equal at every step" in out
     assert doc["counters"] is None and doc["fused_fraction"]["this"] is None
     text = md.read_text()
     assert "4.8 TB/s" in text and "--timing-only" in text and "unfused (split)" in text
@@ -450,8 +687,14 @@ def _corrupting(which: str):
     """Reference kernels with one byte flipped (in the first row the call writes) of the calls ``which`` names:
     ``rows_past_0``: row-range quantizer calls from a row past 0 (``unfused_split``'s prefill rows);
     ``fused_sub_batch`` / ``fused_from_row_0``: fused calls whose rows start past row 0 / at row 0;
-    ``same_in_both``: both ``rows_past_0`` and ``fused_sub_batch`` (the same byte on both sides of a pair)."""
+    ``same_in_both``: both ``rows_past_0`` and ``fused_sub_batch`` (the same byte on both sides of a pair);
+    ``fused_paged``: every fused paged call."""
     ref = REFERENCE_KERNELS()
+
+    def fused_paged(q, k_cache, v_cache, **kw):
+        ref.fused_paged(q, k_cache, v_cache, **kw)
+        if which == "fused_paged":
+            _flip(kw["output"], int(kw["cu_seqlens"][0]))
 
     def fused(q, k, v, **kw):
         ref.fused(q, k, v, **kw)
@@ -464,7 +707,7 @@ def _corrupting(which: str):
         if which in ("rows_past_0", "same_in_both") and row_start > 0:
             _flip(packed, row_start)
 
-    return ref._replace(fused=fused, quantize_rows=quantize_rows)
+    return ref._replace(fused=fused, quantize_rows=quantize_rows, fused_paged=fused_paged)
 
 
 @pytest.fixture(scope="module")
@@ -479,7 +722,7 @@ def trace_steps():
 
 def _time(steps, monkeypatch, which):
     monkeypatch.setattr(st, "reference_kernels", lambda: _corrupting(which))
-    return st.time_trace(steps, model="mla", tiny=True, device="cpu", layers=2, warmup=0, repeats=1,
+    return st.time_trace(steps, model="mla", tiny=True, device="cpu", layers=1, warmup=0, repeats=1,
                          launch_us=5.0, seed=0, progress=False)
 
 
@@ -491,34 +734,52 @@ def test_a_corrupted_byte_is_reported_for_its_pair(trace_steps, monkeypatch):
     def differ(t):
         return {k: v["differ_at"] for k, v in t["bytes"].items()}
 
+    paged_equal = {"fused_paged==unfused_paged": [], "unfused_paged==unfused": []}
     # unfused_split's prefill quantizer (rows from D > 0): only the split pair, at the mixed steps
     t = _time(steps, monkeypatch, "rows_past_0")
-    assert differ(t) == {"fused_all==unfused": [], "fused==unfused_split": mixed, "fused==unfused": []}
+    assert differ(t) == {"fused_all==unfused": [], "fused==unfused_split": mixed, "fused==unfused": [], **paged_equal}
     assert t["mismatched_steps"] == mixed
     assert any(line.startswith("  ERROR: bytes fused==unfused_split") for line in st.timing_lines(t))
     # fused's prefill call beside decode rows: the split pair fails; fused != unfused is only recorded
     t = _time(steps, monkeypatch, "fused_sub_batch")
-    assert differ(t) == {"fused_all==unfused": [], "fused==unfused_split": mixed, "fused==unfused": mixed}
+    assert differ(t) == {"fused_all==unfused": [], "fused==unfused_split": mixed, "fused==unfused": mixed,
+                         **paged_equal}
     # a fused call over rows from 0: fused_all at every step, fused (one call then) at the steps without decodes
     t = _time(steps, monkeypatch, "fused_from_row_0")
     assert differ(t) == {"fused_all==unfused": sorted(layouts), "fused==unfused_split": no_decode,
-                         "fused==unfused": no_decode}
+                         "fused==unfused": no_decode, **paged_equal}
     assert t["mismatched_steps"] == sorted(layouts)
     # the same flip on both sides of the split pair: it holds; fused != unfused is not an error
     t = _time(steps, monkeypatch, "same_in_both")
-    assert differ(t) == {"fused_all==unfused": [], "fused==unfused_split": [], "fused==unfused": mixed}
+    assert differ(t) == {"fused_all==unfused": [], "fused==unfused_split": [], "fused==unfused": mixed,
+                         **paged_equal}
     assert t["mismatched_steps"] == []
     lines = st.timing_lines(t)
     assert not any("ERROR" in line for line in lines)
     assert f"  bytes fused==unfused (other calls: informational): differ at {len(mixed)} steps {mixed[:10]}" in lines
 
 
+def test_a_corrupted_fused_paged_byte_is_reported_for_the_paged_pair(trace_steps, monkeypatch):
+    steps, layouts = trace_steps
+    few = [s for s in steps if s.index <= sorted(layouts)[3]]  # the first four busy steps (and what led to them)
+    t = _time(few, monkeypatch, "fused_paged")
+    busy = sorted(i for i in layouts if i <= sorted(layouts)[3])
+    assert {k: v["differ_at"] for k, v in t["bytes"].items()} == {
+        "fused_all==unfused": [], "fused==unfused_split": [], "fused_paged==unfused_paged": busy, "fused==unfused": [],
+        "unfused_paged==unfused": []}
+    assert t["mismatched_steps"] == busy
+    assert any(line.startswith("  ERROR: bytes fused_paged==unfused_paged (the same one paged call)")
+               for line in st.timing_lines(t))
+
+
 def test_a_mismatch_of_a_checked_pair_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(st, "reference_kernels", lambda: _corrupting("rows_past_0"))
-    assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "8", "--warmup", "0", "--repeats", "1"]) == 1
+    assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "8", "--warmup", "0", "--repeats", "1",
+                    "--layers", "1"]) == 1
     assert "ERROR: bytes fused==unfused_split (the same sub-batch calls): differ at" in capsys.readouterr().out
     monkeypatch.setattr(st, "reference_kernels", lambda: _corrupting("same_in_both"))
-    assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "8", "--warmup", "0", "--repeats", "1"]) == 0
+    assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "8", "--warmup", "0", "--repeats", "1",
+                    "--layers", "1"]) == 0
 
 
 def test_cuda_without_a_gpu_is_refused(monkeypatch, capsys):
@@ -573,7 +834,7 @@ def test_graph_clock_replays_each_variant_or_times_the_step_eagerly_and_says_why
         self.cuda = True  # the CPU tensors stay; only the timers' dispatch is under test
 
     monkeypatch.setattr(steps_mod.StepRunner, "__init__", init)
-    t = st.time_trace(steps, model="mla", tiny=True, device="cpu", layers=2, warmup=0, repeats=3, launch_us=5.0,
+    t = st.time_trace(steps, model="mla", tiny=True, device="cpu", layers=1, warmup=0, repeats=3, launch_us=5.0,
                       seed=0, progress=False, clock="graph")
     busy = len(t["per_step"])
     times = [v for p in t["per_step"] for k, v in p.items() if k.endswith("_ms") and "saving" not in k]

@@ -471,7 +471,7 @@ def test_compiled_numerics_fused_within_bound_on_prefill_and_bytes_equal_otherwi
     counts = counters.counters()
     assert (counts["fused"], counts["fused_by_backend"], counts["fallback"]) == (3, {"reference": 3},
                                                                                  {"decode_tokens": 1})
-    assert counts["tokens"] == {"prefill": 24, "prefill_fused": 24, "post_quantized": {"decode_tokens": 3}}
+    assert counts["tokens"] == {"prefill": 24, "prefill_fused": 24, "decode_fused": 0, "post_quantized": {"decode_tokens": 3}}
 
     torch._dynamo.reset()
     plain_rec = Recorder(None)
@@ -956,7 +956,7 @@ def test_dump_from_environment_variable(tmp_path):
 
 
 ZERO_RUNTIME = {"fused": 0, "fused_by_backend": {}, "fallback": {},
-                "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
+                "tokens": {"prefill": 0, "prefill_fused": 0, "decode_fused": 0, "post_quantized": {}}}
 
 
 def _o_proj_of_attention(block: Block):

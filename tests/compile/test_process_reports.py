@@ -12,7 +12,7 @@ from fusion_pass.compile import process_reports
 
 def _runtime(fused: int, fallback: dict, prefill: int, prefill_fused: int, post: dict) -> dict:
     return {"fused": fused, "fused_by_backend": {"reference": fused} if fused else {}, "fallback": fallback,
-            "tokens": {"prefill": prefill, "prefill_fused": prefill_fused, "post_quantized": post}}
+            "tokens": {"prefill": prefill, "prefill_fused": prefill_fused, "decode_fused": 0, "post_quantized": post}}
 
 
 def _report(pid: int, runtime: dict, **extra) -> dict:
@@ -40,13 +40,13 @@ def test_summary_reads_both_places_and_counts_tokens_per_process_and_in_total(du
     procs = {p["pid"]: p for p in summary["processes"]}
     assert [p["file"] for p in summary["processes"]] == [
         "reports/vllm_report_101.json", "reports/vllm_report_202.json", "vllm_report_303.json"]
-    assert procs[101]["tokens"] == {"prefill": 40, "prefill_fused": 40, "post_quantized": {"decode_tokens": 8}}
-    assert procs[202]["tokens"] == {"prefill": 30, "prefill_fused": 10,
+    assert procs[101]["tokens"] == {"prefill": 40, "prefill_fused": 40, "decode_fused": 0, "post_quantized": {"decode_tokens": 8}}
+    assert procs[202]["tokens"] == {"prefill": 30, "prefill_fused": 10, "decode_fused": 0,
                                     "post_quantized": {"decode_tokens": 2, "chunked_prefill": 20}}
-    assert procs[303]["tokens"] == {"prefill": 5, "prefill_fused": 5, "post_quantized": {}}
+    assert procs[303]["tokens"] == {"prefill": 5, "prefill_fused": 5, "decode_fused": 0, "post_quantized": {}}
     assert [procs[p]["written_on"] for p in (101, 202, 303)] == ["counters", "exit", None]
     assert procs[202]["fallback"] == {"decode_tokens": 1, "chunked_prefill": 3} and procs[202]["fused"] == 2
-    assert summary["tokens"] == {"prefill": 75, "prefill_fused": 55,
+    assert summary["tokens"] == {"prefill": 75, "prefill_fused": 55, "decode_fused": 0,
                                  "post_quantized": {"decode_tokens": 10, "chunked_prefill": 20}}
     assert summary["fused"] == 9 and summary["rewritten"] == 6 and len(summary["processes"]) == 3
     assert summary["fallback"] == {"decode_tokens": 5, "no_attention_metadata": 2, "chunked_prefill": 3}

@@ -167,7 +167,7 @@ def test_cli_demo_times_by_default_on_cuda_only(monkeypatch, capsys):
         calls.append(kwargs)
         report = {"graphs": 0, "candidates": 0, "rewritten": 0, "refused": {}, "seconds": 0.0,
                   "runtime": {"fused": 0, "fallback": {},
-                              "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}}
+                              "tokens": {"prefill": 0, "prefill_fused": 0, "decode_fused": 0, "post_quantized": {}}}}
         return demo.DemoRun([], FusionPass(), report)
 
     monkeypatch.setattr(demo, "run_demo", fake_run_demo)
@@ -189,10 +189,20 @@ def test_cli_dump_and_backends(tmp_path, capsys, clean_backend_state):
     assert cli.main(["backends"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[:3]] == ["fa4", "triton", "reference"]
-    assert lines[-1] == ("choice: auto (FUSION_PASS_BACKEND); context workspace bound: 65536 tokens "
+    choice = lines.index("choice: auto (FUSION_PASS_BACKEND); context workspace bound: 65536 tokens "
                          "(FUSION_PASS_CONTEXT_WORKSPACE_TOKENS); self-check: auto (FUSION_PASS_SELF_CHECK; "
                          "fusion-pass selftest runs the checks now); vLLM standard layers split mixed calls: off "
                          "(FUSION_PASS_VLLM_SPLIT_MIXED)")
+    # then the policy: its mode, and one line per rule of the table (this machine's generation marked)
+    from fusion_pass.runtime import policy
+
+    assert lines[choice + 2].startswith("policy: measured (FUSION_PASS_POLICY;")
+    rules = lines[choice + 3:]
+    assert len(rules) == len(policy.POLICY_TABLE)
+    for line, rule in zip(rules, policy.POLICY_TABLE):
+        assert line.split()[-len(rule.evidence.split()):] == rule.evidence.split(), line
+        assert line.lstrip(" *").split()[:3] == [rule.generation, rule.rows, "fuse" if rule.fuse else "unfused"]
+        assert line.startswith(" *") is (rule.generation == "cpu")
 
 
 def test_cli_backends_names_a_bad_workspace_setting(capsys, monkeypatch):
@@ -294,7 +304,7 @@ def test_format_report_says_what_each_count_counts():
     report = {"graphs": 2, "graphs_from_cache": 1, "candidates": 2, "rewritten": 2, "refused": {}, "seconds": 0.002,
               "rewritten_layers": ["a", "b"],
               "runtime": {"fused": 6, "fallback": {"decode_tokens": 2},
-                          "tokens": {"prefill": 30, "prefill_fused": 30, "post_quantized": {"decode_tokens": 4}}}}
+                          "tokens": {"prefill": 30, "prefill_fused": 30, "decode_fused": 0, "post_quantized": {"decode_tokens": 4}}}}
     text = demo.format_report(report)
     assert "pass: 2 graphs (+1 served by the FX graph cache, the pass not run), 2 attention layers seen" in text
     assert "run time: 6 fused calls, fallback calls: decode_tokens=2 (the calls of the 2 rewritten layers)" in text

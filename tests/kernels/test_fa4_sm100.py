@@ -187,8 +187,8 @@ def test_the_generation_dispatch(monkeypatch, arch, generation, words):
     monkeypatch.setattr(common, "device_arch", lambda device: arch)
     assert forward.fa4_generation("cuda") == generation
     assert forward.fa4_generation("cpu") is None
-    monkeypatch.setattr(forward.sm90, "fa4_sm90_usable", lambda *a: (True, "sm90 kernel"))
-    monkeypatch.setattr(forward.sm100, "fa4_sm100_usable", lambda *a: (True, "sm100 kernel"))
+    monkeypatch.setattr(forward.sm90, "usable", lambda *a: (True, "sm90 kernel"))
+    monkeypatch.setattr(forward.sm100, "usable", lambda *a: (True, "sm100 kernel"))
     ok, why = forward.fa4_usable("cuda", torch.bfloat16, 16, 128, 128)
     if generation is None:
         assert not ok and words in why

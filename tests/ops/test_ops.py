@@ -287,7 +287,7 @@ def test_fake_impls_give_shapes_under_fake_mode():
 
 
 def test_an_unknown_layer_name_is_a_value_error_and_still_a_key_error():
-    from fusion_pass.runtime.registry import UnknownLayerError
+    from fusion_pass.runtime import UnknownLayerError
 
     for call in (runtime.get_layer, runtime.unregister_layer):
         with pytest.raises(ValueError) as info:
@@ -326,17 +326,17 @@ def test_runtime_counters_count_per_layer_and_filter_by_layer(clean_backend_stat
     everything = ops.runtime_counters()
     assert everything == counters.counters() == {
         "fused": 5, "fused_by_backend": {"reference": 5}, "fallback": {"decode_tokens": 1},
-        "tokens": {"prefill": 30, "prefill_fused": 30, "post_quantized": {"decode_tokens": 3}}}
+        "tokens": {"prefill": 30, "prefill_fused": 30, "decode_fused": 0, "post_quantized": {"decode_tokens": 3}}}
     assert ops.runtime_counters(layers=["a"]) == {
         "fused": 3, "fused_by_backend": {"reference": 3}, "fallback": {},
-        "tokens": {"prefill": 25, "prefill_fused": 25, "post_quantized": {}}}
+        "tokens": {"prefill": 25, "prefill_fused": 25, "decode_fused": 0, "post_quantized": {}}}
     assert ops.runtime_counters(layers="b") == {
         "fused": 0, "fused_by_backend": {}, "fallback": {"decode_tokens": 1},
-        "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {"decode_tokens": 3}}}
+        "tokens": {"prefill": 0, "prefill_fused": 0, "decode_fused": 0, "post_quantized": {"decode_tokens": 3}}}
     both = ops.runtime_counters(layers=("a", "c", "a"))  # a name given twice counts once
     assert both["fused"] == 4 and both["tokens"]["prefill_fused"] == 29
     zero = {"fused": 0, "fused_by_backend": {}, "fallback": {},
-            "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
+            "tokens": {"prefill": 0, "prefill_fused": 0, "decode_fused": 0, "post_quantized": {}}}
     assert ops.runtime_counters(layers=[]) == ops.runtime_counters(layers=["never_counted"]) == zero
     with pytest.raises(ValueError, match="layers must hold layer names"):
         ops.runtime_counters(layers=[3])

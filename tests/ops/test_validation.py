@@ -23,7 +23,7 @@ MLA_DIMS = dict(num_heads=2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim
 GQA_DIMS = dict(num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=16)
 GS = torch.tensor([40.0])
 ZERO_COUNTERS = {"fused": 0, "fused_by_backend": {}, "fallback": {},
-                 "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
+                 "tokens": {"prefill": 0, "prefill_fused": 0, "decode_fused": 0, "post_quantized": {}}}
 
 
 @pytest.fixture(autouse=True)
@@ -210,7 +210,7 @@ def test_the_issue_scenario_zero_scale_then_retry():
         second = layer.call(decode, decode_inputs)
         assert counters.counters() == {"fused": 1, "fused_by_backend": {"reference": 1},
                                     "fallback": {"decode_tokens": 1},
-                                    "tokens": {"prefill": 8, "prefill_fused": 8, "post_quantized": {"decode_tokens": 2}}}
+                                    "tokens": {"prefill": 8, "prefill_fused": 8, "decode_fused": 0, "post_quantized": {"decode_tokens": 2}}}
         layer.impl.clear_cache()
         assert torch.equal(layer.call(spec, inputs)[0], first[0])
         again = layer.call(decode, decode_inputs)
@@ -389,7 +389,7 @@ def test_a_failure_part_way_rolls_the_cache_back_and_is_not_counted(layer, monke
 
     for scenario, target in (("prefill", "fusion_pass.runtime.backends.reference.ReferenceBackend.run_varlen"),
                              ("mixed", "fusion_pass.runtime.row_plan.post_quantize_rows"),
-                             ("decode", "fusion_pass.runtime.attention_call._write_output")):
+                             ("decode", "fusion_pass.runtime.engine.attention_call._write_output")):
         history, spec, inputs = _setup(layer, scenario)
         before, cache = counters.counters(), _cache_state(layer.impl)
         with monkeypatch.context() as m:

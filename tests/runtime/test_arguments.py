@@ -18,7 +18,7 @@ import fusion_pass
 from fusion_pass import kernels, nvfp4, runtime
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.runtime import counters, settings
-from fusion_pass.runtime.batch import current_batch
+from fusion_pass.runtime.engine.batch import current_batch
 
 
 @pytest.fixture(autouse=True)

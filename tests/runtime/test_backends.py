@@ -10,6 +10,7 @@ import torch
 
 import fusion_pass  # noqa: F401  (registers the ops)
 from fusion_pass import nvfp4, runtime
+from fusion_pass.kernels import launchers
 from fusion_pass.runtime import backends, guard, row_plan, settings
 
 from layer_cases import (CPU, GS, OPS, SPECS, cuda_backend_reason, decide, dense_causal,  # noqa: F401
@@ -64,10 +65,10 @@ def test_availability_is_cached(monkeypatch):
 @pytest.mark.parametrize("arch, module, available, words", [
     (None, None, False, "no CUDA device (flash-attn-4 "),
     (90, "sm90_kernel", True, "FA4 SM90 forward with the fusion_pass NVFP4 output stage on sm_90 (flash-attn-4"),
-    (100, "sm100_kernel", True, "FA4 SM100 forward with the fusion_pass NVFP4 output stage on sm_100 (flash-attn"),
-    (110, "sm100_kernel", True, "FA4 SM100 forward with the fusion_pass NVFP4 output stage on sm_110 (flash-attn"),
-    (120, "sm90_kernel", False, "no kernel of this project for sm_120"),
-    (80, "sm90_kernel", False, "no kernel of this project for sm_80"),
+    (100, "sm100_kernel", True, "FA4 SM100/SM110 forward with the fusion_pass NVFP4 output stage on sm_100 (flash-"),
+    (110, "sm100_kernel", True, "FA4 SM100/SM110 forward with the fusion_pass NVFP4 output stage on sm_110 (flash-"),
+    (120, None, False, "no kernel of this project for sm_120"),  # no kernel module of any generation imported
+    (80, None, False, "no kernel of this project for sm_80"),
 ])
 def test_fa4_status_names_the_generation_and_imports_its_kernel(monkeypatch, arch, module, available, words):
     asked = []
@@ -82,7 +83,7 @@ def test_fa4_status_names_the_generation_and_imports_its_kernel(monkeypatch, arc
         backends.fa4.fa4_status.cache_clear()
         if module:
             assert backends.fa4.fa4_status() == (False, "broken install")
-        else:  # without a GPU FA4 is not imported, so a broken install is not seen
+        else:  # without a GPU of a listed generation FA4 is not imported, so a broken install is not seen
             assert backends.fa4.fa4_status()[1].startswith(words) and asked == []
     finally:
         backends.fa4.fa4_status.cache_clear()
@@ -162,9 +163,10 @@ def test_supports():
         assert not ok and "float32" in why
 
 
-def test_fa4_run_path_with_an_injected_kernel(layer):
+def test_fa4_run_path_with_an_injected_kernel(layer, monkeypatch):
     """FA4Backend.run_varlen end to end on the CPU through the row plan, with a PyTorch stand-in for the fused
-    FA4 launcher (same arguments): the backend passes the prepared prefill inputs and the op's buffers."""
+    FA4 launcher (same arguments, patched into fusion_pass.kernels.launchers): the backend passes the prepared
+    prefill inputs and the op's buffers."""
     seen = {}
 
     def fake_fused(q, k, v, *, cu_seqlens, max_seqlen, softmax_scale, causal, output, output_scale,
@@ -185,8 +187,8 @@ def test_fa4_run_path_with_an_injected_kernel(layer):
     rows, cols = nvfp4.scale_shape(t, layer.width)
     block_scale = torch.full((rows, cols // 4), -1, dtype=torch.int32)
     layer.impl.clear_cache()
-    row_plan.run_on_prefill(backends.FA4Backend(fused_kernel=fake_fused), layer.impl, inputs, spec, output, GS,
-                            block_scale)
+    monkeypatch.setattr(launchers, "fa4_attention_nvfp4_varlen", fake_fused)
+    row_plan.run_on_prefill(backends.get_backend("fa4"), layer.impl, inputs, spec, output, GS, block_scale)
 
     assert seen["causal"] is True and seen["softmax_scale"] == layer.impl.softmax_scale
     assert seen["cu_seqlens"].tolist() == [0, 9, 13] and seen["max_seqlen"] == 9
@@ -251,6 +253,41 @@ def test_select_backend_preferred_restricts_the_search():
     with pytest.raises(ValueError, match="unknown backend"):
         backends.get_backend("cudnn")
     assert all(isinstance(backends.get_backend(n), backends.Backend) for n in backends.BACKEND_ORDER)
+
+
+def test_every_list_of_backends_derives_from_the_registry(monkeypatch):
+    """One table (registry.BACKENDS): the setting's choices, auto's order, the listing, the selftest's timed
+    backends and refresh() all follow it; refresh() is each backend's own hook."""
+    from fusion_pass import selftest
+    from fusion_pass.runtime.backends import registry
+
+    names = tuple(b.name for b in registry.BACKENDS)
+    assert names == registry.names() == backends.BACKEND_ORDER == ("fa4", "triton", "reference")
+    assert settings.BACKEND_CHOICES == ("auto",) + names
+    assert [e["name"] for e in backends.list_backends()] == list(names)
+    assert selftest.TIMED_BACKENDS == registry.timed_names() == tuple(b.name for b in registry.BACKENDS if b.timed)
+    assert selftest.TIMED_BACKENDS == ("fa4", "triton")
+    assert all(backends.get_backend(n) is b for n, b in zip(names, registry.BACKENDS))
+    refreshed = []
+    for backend in registry.BACKENDS:
+        monkeypatch.setattr(backend, "refresh", lambda b=backend: refreshed.append(b.name))
+    backends.refresh()
+    assert refreshed == list(names)
+
+
+def test_a_backend_brings_its_kernels_as_callables():
+    """The unfused path's half-precision attention and the chunked-context kernels are the backend's own
+    callables (kernels.launchers), not names dispatched elsewhere."""
+    fa4, triton, ref = (backends.get_backend(n) for n in ("fa4", "triton", "reference"))
+    assert fa4.half_attention is launchers.fa4_attention_half_varlen
+    assert triton.half_attention is launchers.triton_attention_half_varlen
+    assert ref.half_attention is None
+    assert (fa4.lse_kernel, fa4.merge_kernel) == (launchers.fa4_attention_with_lse_varlen,
+                                                  launchers.triton_merge_nvfp4_rows)
+    assert (triton.lse_kernel, triton.merge_kernel) == (launchers.triton_attention_with_lse_varlen,
+                                                        launchers.triton_merge_nvfp4_rows)
+    assert (ref.lse_kernel, ref.merge_kernel) == (launchers.reference_attention_with_lse_varlen,
+                                                  launchers.reference_merge_nvfp4_rows)
 
 
 # ---------------------------------------------------------------- auto picks only what is measured fast

@@ -10,7 +10,7 @@ import fusion_pass  # noqa: F401  (registers the ops)
 from fusion_pass import runtime
 from fusion_pass.runtime import counters
 from fusion_pass.runtime.backends.reference import ReferenceBackend
-from fusion_pass.runtime.cache import RequestCache
+from fusion_pass.runtime.engine.cache import RequestCache
 from layer_cases import GS
 
 

@@ -29,7 +29,7 @@ def decisions():
 def expected(calls):
     """The per-call sums, counted one by one (what counters() must equal)."""
     out = {"fused": 0, "fused_by_backend": {}, "fallback": {},
-           "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
+           "tokens": {"prefill": 0, "prefill_fused": 0, "decode_fused": 0, "post_quantized": {}}}
     for d, _ in calls:
         if d.fused:
             out["fused"] += 1

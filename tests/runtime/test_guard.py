@@ -77,7 +77,7 @@ def test_fused_path_writes_quantized_float32_attention(layer, lens):
     output, scales = layer.call(spec, inputs, GS)
     counts = counters.counters()
     assert (counts["fused"], counts["fused_by_backend"], counts["fallback"]) == (1, {"reference": 1}, {})
-    assert counts["tokens"] == {"prefill": spec.num_tokens, "prefill_fused": spec.num_tokens, "post_quantized": {}}
+    assert counts["tokens"] == {"prefill": spec.num_tokens, "prefill_fused": spec.num_tokens, "decode_fused": 0, "post_quantized": {}}
 
     attn32 = layer.attention32([(spec, inputs)])
     packed, ref_scales = nvfp4.quantize(attn32, GS)
@@ -91,7 +91,7 @@ def test_fused_path_writes_quantized_float32_attention(layer, lens):
 def test_fallback_path_equals_the_unfused_graph(layer):
     history = [(runtime.BatchSpec.from_lens([7, 5]), 1), (runtime.BatchSpec.from_lens([1, 1], [7, 5]), 2)]
     expected = {"fused": 1, "fused_by_backend": {"reference": 1}, "fallback": {"decode_tokens": 1},
-                "tokens": {"prefill": 12, "prefill_fused": 12, "post_quantized": {"decode_tokens": 2}}}
+                "tokens": {"prefill": 12, "prefill_fused": 12, "decode_fused": 0, "post_quantized": {"decode_tokens": 2}}}
     steps = [(spec, layer.inputs(spec.num_tokens, seed)) for spec, seed in history]
 
     layer.impl.clear_cache()
@@ -235,7 +235,7 @@ def test_counters_count_each_decision_and_log_each_reason_once(layer, caplog):
         "fused": 2,
         "fused_by_backend": {"reference": 2},
         "fallback": {"decode_tokens": 2, "dcp_world_size>1": 1},
-        "tokens": {"prefill": 19, "prefill_fused": 12,
+        "tokens": {"prefill": 19, "prefill_fused": 12, "decode_fused": 0,
                    "post_quantized": {"decode_tokens": 4, "dcp_world_size>1": 7}},
     }
     messages = [r.getMessage() for r in caplog.records if r.name == "fusion_pass" and r.levelno == logging.INFO]
@@ -243,7 +243,7 @@ def test_counters_count_each_decision_and_log_each_reason_once(layer, caplog):
     assert "reason: decode_tokens" in messages[0] and "reason: dcp_world_size>1" in messages[1]
     counters.reset_counters()
     assert counters.counters() == {"fused": 0, "fused_by_backend": {}, "fallback": {},
-                                "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
+                                "tokens": {"prefill": 0, "prefill_fused": 0, "decode_fused": 0, "post_quantized": {}}}
 
 
 def test_counters_snapshot_is_a_copy_and_record_rejects_bad_paths():
@@ -572,7 +572,7 @@ def test_a_bad_setting_in_the_environment_raises_before_the_cache_or_the_counter
         assert bool((output == 0xAB).all()) and bool((block_scale.view(torch.uint8) == 0xCD).all())
     assert _cache_state(layer.impl) == before and extended == []
     assert counters.counters() == {"fused": 0, "fused_by_backend": {}, "fallback": {},
-                                   "tokens": {"prefill": 0, "prefill_fused": 0, "post_quantized": {}}}
+                                   "tokens": {"prefill": 0, "prefill_fused": 0, "decode_fused": 0, "post_quantized": {}}}
     monkeypatch.delenv(env)  # the same call runs once the variable is fixed
     if kind != "query dtype":
         layer.call(spec, inputs, GS)
@@ -649,7 +649,7 @@ def test_a_backend_that_rounds_keys_to_the_query_dtype_does_not_fuse_keys_of_ano
         layer.impl.clear_cache()
         unfused = layer.call_unfused(spec, inputs, GS)
         assert torch.equal(refused[0], unfused[0]) and torch.equal(refused[1], unfused[1])
-    from fusion_pass.runtime import attention_call
+    from fusion_pass.runtime.engine import attention_call
     decision = guard.decide(guard.BatchRows.from_spec(spec), attention_call.layer_shape(layer.impl, inputs[0], inputs))
     assert decision.reason == "kv_dtype" and "backend qdtype computes attention with them in the query dtype" in (
         decision.detail)

@@ -131,7 +131,7 @@ def test_a_backend_that_needs_no_check_runs_none(monkeypatch):
 def test_fa4_needs_its_check_where_this_project_never_ran_its_kernel(monkeypatch, arch, mode, needed):
     monkeypatch.setattr(backends.fa4, "device_arch", lambda index: arch)
     with settings.use_self_check(mode):
-        got, why = backends.FA4Backend().self_check_needed(torch.device("cuda", 0))
+        got, why = self_check.required(backends.get_backend("fa4"), torch.device("cuda", 0))
     assert got is needed and why
     if arch == 100 and needed:
         assert "never run on hardware" in why
@@ -167,6 +167,19 @@ def test_mode_setting_and_environment(monkeypatch, get, set_, use, env, default,
             pass
 
 
+def test_check_environment_reads_every_setting_declared(monkeypatch):
+    """Each setting is declared once (name, variable, default, parser); check_environment reads them all."""
+    variables = settings.environment_variables()
+    assert variables == (settings.BACKEND_ENV, settings.CONTEXT_WORKSPACE_ENV, settings.SELF_CHECK_ENV,
+                         settings.SPLIT_MIXED_ENV, settings.POLICY_ENV)
+    for variable in variables:
+        monkeypatch.setenv(variable, "sometimes")
+        with pytest.raises(ValueError, match=f"{variable}='sometimes'"):
+            settings.check_environment()
+        monkeypatch.delenv(variable)
+    settings.check_environment()
+
+
 # ------------------------------------------------------------------ the FA4 canary's comparison (CPU stand-ins)
 
 
@@ -193,8 +206,24 @@ def _stand_ins(monkeypatch, corrupt=None, main_loop_error=1.0, seen=None):
         if corrupt:
             corrupt(output, output_block_scale.view(-1))
 
+    def paged_twin(q, k_cache, v_cache, *, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+                   softmax_scale, causal, return_lse=False):
+        k, cu_k = reference.gather_paged(k_cache, seqused_k, page_table)
+        v, _ = reference.gather_paged(v_cache, seqused_k, page_table)
+        calls.append(("paged_twin", q.shape[0], int(cu_k[-1])))
+        return twin(q, k, v, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale, cu_seqlens_k=cu_k)
+
+    def paged_fused(q, k_cache, v_cache, *, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+                    softmax_scale, causal, output, output_scale, output_block_scale):
+        k, cu_k = reference.gather_paged(k_cache, seqused_k, page_table)
+        v, _ = reference.gather_paged(v_cache, seqused_k, page_table)
+        fused(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=causal,
+              output=output, output_scale=output_scale, output_block_scale=output_block_scale, cu_seqlens_k=cu_k)
+
     monkeypatch.setattr(launchers, "fa4_attention_varlen", twin)
     monkeypatch.setattr(launchers, "fa4_attention_nvfp4_varlen", fused)
+    monkeypatch.setattr(launchers, "fa4_attention_paged", paged_twin)
+    monkeypatch.setattr(launchers, "fa4_attention_nvfp4_paged", paged_fused)
     return calls
 
 
@@ -204,8 +233,14 @@ def test_fa4_canary_passes_when_the_fused_bytes_equal_the_twin_plus_quantize(mon
     ok, detail = backends.FA4Backend().canary(torch.device("cpu"), torch.bfloat16, 16, *dims)
     assert ok and "canary bytes equal" in detail and f"head dims {dims}" in detail
     # both batches, once through each kernel; the second reads keys through cu_seqlens_k (cached context)
-    twins = [c for c in calls if c[0] == "twin"]
-    assert len(twins) == 4
+    twins = [c for c in calls if c[0] == "twin"][:4]  # the varlen batches' (the paged case's follow)
+    assert len([c for c in calls if c[0] == "twin"]) == 6
+    from fusion_pass.runtime.backends import canary
+
+    paged = canary.PAGED_BATCH  # one paged launch: decode rows beside prefills with and without context
+    want = (sum(paged["query_lens"]), sum(paged["query_lens"]) + sum(paged["context_lens"]))
+    assert [c[1:] for c in calls if c[0] == "paged_twin"] == [want]
+    assert 1 in paged["query_lens"] and max(paged["query_lens"]) > 1 and paged["page_size"] == 16
     queries = [sum(b["query_lens"]) for b in backends.canary_batches()]
     keys = [sum(b["query_lens"]) + sum(b["context_lens"]) for b in backends.canary_batches()]
     assert sorted({(t, tk) for _, t, tk in twins}) == sorted(zip(queries, keys)) and keys[1] > queries[1]
@@ -318,7 +353,7 @@ def test_fa4_canary_fails_when_the_shared_main_loop_is_wrong(monkeypatch):
 
 
 def test_a_failed_check_keeps_the_backend_out_of_the_unfused_path_too(monkeypatch):
-    from fusion_pass.runtime import attention_call
+    from fusion_pass.runtime.engine import attention_call
 
     assert self_check.failed_check("fa4") is None
     monkeypatch.setattr(backends.FA4Backend, "canary", lambda self, *a: (False, "codes differ"))
@@ -339,7 +374,8 @@ def test_a_failed_check_keeps_the_backend_out_of_the_unfused_path_too(monkeypatc
     monkeypatch.setattr(attention_call, "layer_shape", lambda impl, q, inputs: shape)
     assert attention_call._half_prefill_kernel(Impl(), q, SPECS["prefill"], (q,)) is None
     self_check.forget_self_checks()
-    assert attention_call._half_prefill_kernel(Impl(), q, SPECS["prefill"], (q,)) == "fa4"
+    assert attention_call._half_prefill_kernel(Impl(), q, SPECS["prefill"], (q,)) is backends.get_backend(
+        "fa4").half_attention
 
 
 def test_a_backend_without_a_check_is_not_applicable_not_disabled(monkeypatch, layer):

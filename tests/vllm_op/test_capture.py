@@ -60,7 +60,11 @@ def device_metadata(query_lens, context_lens, device, host: bool = True):
 
 
 def kv_cache(device, num_blocks: int = 64):
-    return torch.zeros(num_blocks, HK, BLOCK, 2 * D, dtype=torch.bfloat16, device=device)
+    """A FLASH_ATTN-shaped cache of seeded random keys and values (nothing on the meta device)."""
+    g = torch.Generator().manual_seed(7)
+    if torch.device(device).type == "meta":
+        return torch.empty(num_blocks, HK, BLOCK, 2 * D, dtype=torch.bfloat16, device=device)
+    return torch.randn(num_blocks, HK, BLOCK, 2 * D, generator=g).to(torch.bfloat16).to(device)
 
 
 def mla_stand_ins():
@@ -90,7 +94,7 @@ def test_the_decision_reads_no_device_tensor_of_the_metadata():
     layer, cache = standard_layer("meta.attn"), kv_cache("meta")
     q = torch.empty(16, H, D, dtype=torch.bfloat16, device="meta")
     cases = [(device_metadata([1, 1, 1], [5, 9, 40], "meta"), "off", "decode_tokens", 0, 3),
-             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "meta"), "off", "mixed_not_split", 13, 15),
+             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "meta"), "off", None, 13, 15),  # offered as one call
              (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "meta"), "on", None, 13, 15),
              (device_metadata([6, 7], [0, 12], "meta"), "off", None, 13, 13),
              (device_metadata([1, 1], [5, 9], "meta", host=False), "off", "decode_tokens", 0, 2),
@@ -165,20 +169,40 @@ def test_the_fallback_through_the_op_is_the_unfused_quant_and_its_step_is_kept(m
     assert getattr(copied, attention_op._STEP) is not step
 
 
-def test_a_mixed_step_through_the_op_is_not_split_by_default(monkeypatch):
+def test_a_mixed_step_through_the_op_is_one_fused_call_by_default(monkeypatch):
     """A mixed step (decode rows beside prefill rows) through the op on the CPU: a bad value of the split variable
-    raises naming it before vLLM's op runs or a buffer is written; by default the exact fallback, every row counted
-    as ``mixed_not_split``, the unfused bytes on every row."""
+    raises naming it before vLLM's op runs or a buffer is written; by default every row in one fused launch over the
+    paged cache (the reference backend: the reference paged attention quantized, every row); with a backend without
+    such a launch the exact fallback, every row counted as ``mixed_not_split``, the unfused bytes on every row."""
+    from fusion_pass.kernels import reference
+    from fusion_pass.runtime import backends
+
     call, md, q, packed, scales, gs, seen = op_call(monkeypatch, "cpu", [1, 6, 1, 7], [5, 0, 40, 12])
     counted = []
-    monkeypatch.setattr(counters, "record", lambda decision, layer_name=None: counted.append(decision.post_quantized))
+    monkeypatch.setattr(counters, "record", lambda decision, layer_name=None: counted.append(
+        (decision.post_quantized, decision.decode_fused)))
+    # no vLLM here: its KV-connector hooks stood in for by what they do without a connector (nothing)
+    monkeypatch.setattr(attention_op, "_kv_transfer_utils", lambda: SimpleNamespace(has_kv_transfer_group=lambda: False))
     monkeypatch.setenv(settings.SPLIT_MIXED_ENV, "maybe")
     with pytest.raises(ValueError, match="FUSION_PASS_VLLM_SPLIT_MIXED='maybe' is not a split mode"):
         call()
     assert not counted and not packed.any() and not scales.any()
     monkeypatch.delenv(settings.SPLIT_MIXED_ENV)
     call()
-    assert counted == [{"mixed_not_split": 15}]
+    assert counted == [({}, 2)]
+    _, layer, cache = attention_op._context("capture.attn")
+    keys, values = cache.transpose(1, 2).split(D, -1)
+    out, _ = reference.paged_attention(q, keys, values, md.query_start_loc, md.seq_lens, md.block_table, True,
+                                       layer.impl.scale)
+    want_packed, want_scales = nvfp4.quantize(out.reshape(q.shape[0], K), gs)
+    assert torch.equal(packed, want_packed) and out.abs().max() > 0.05
+    assert torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8))
+    monkeypatch.setattr(backends.get_backend("reference"), "handles_paged", False)
+    call, md, q, packed, scales, gs, seen = op_call(monkeypatch, "cpu", [1, 6, 1, 7], [5, 0, 40, 12])
+    monkeypatch.setattr(counters, "record", lambda decision, layer_name=None: counted.append(
+        (decision.post_quantized, decision.decode_fused)))
+    call()
+    assert counted[-1] == ({"mixed_not_split": 15}, 0)
     want_packed, want_scales = expected(q, gs)
     assert torch.equal(packed, want_packed)
     assert torch.equal(scales.view(torch.uint8), want_scales.view(torch.uint8))
@@ -208,7 +232,7 @@ def test_the_decision_reads_no_device_tensor():
     guard.decide("capture.attn", q, device_metadata([6, 1], [0, 9], "cuda"), layer, cache)  # backend detection
     torch.cuda.synchronize()
     cases = [(device_metadata([1, 1, 1], [5, 9, 40], "cuda"), "off", "decode_tokens"),  # decode-only, host copies
-             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "cuda"), "off", "mixed_not_split"),  # mixed, not split
+             (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "cuda"), "off", None),  # mixed: one call, or policy
              (device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "cuda"), "on", None),       # mixed + context, split
              (device_metadata([1, 1], [5, 9], "cuda", host=False), "off", "decode_tokens"),  # no host copies
              (device_metadata([1, 6], [5, 0], "cuda", host=False), "off", "no_host_metadata")]
@@ -217,8 +241,8 @@ def test_the_decision_reads_no_device_tensor():
             decision = no_sync(guard.decide, "capture.attn", q, md, layer, cache)
         if reason is not None:
             assert decision.reason == reason, decision
-        else:  # fused where a fused backend is picked here (fa4 on an H200 with FA4 installed), else its reason
-            assert decision.fused or decision.reason in ("no_backend", "no_fast_backend"), decision
+        else:  # fused where a fused backend is picked and the policy fuses the class (not mixed calls on an H200)
+            assert decision.fused or decision.reason in ("no_backend", "no_fast_backend", "slower_here"), decision
             print("mixed batch with context:", decision.path, decision.reason, decision.backend)
     with settings.use_backend("triton"), settings.use_split_mixed("on"):  # a backend named explicitly runs
         # wherever it works: a fused decision
@@ -226,7 +250,9 @@ def test_the_decision_reads_no_device_tensor():
         torch.cuda.synchronize()
         decision = no_sync(guard.decide, "capture.attn", q, device_metadata([1, 6, 1, 7], [5, 0, 40, 12], "cuda"),
                            layer, cache)
-    assert (decision.path, decision.backend, decision.post_quantized) == ("fused", "triton", {"decode_tokens": 2})
+    # one launch over the paged cache, decode rows included (a named backend: no policy)
+    assert (decision.path, decision.backend, decision.one_call, decision.decode_fused) == ("fused", "triton", True, 2)
+    assert decision.post_quantized == {}
     md, mla_layer = mla_stand_ins()
     assert no_sync(guard.decide, "capture.mla", q, md, mla_layer, cache).reason == "decode_tokens"
 

@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from fusion_pass.kernels.checks import check_cu_seqlens_k, check_max_seqlen_k, check_qkv, describe
+from fusion_pass.kernels.checks import HALF_DTYPES, check_cu_seqlens_k, check_max_seqlen_k, check_qkv, describe
+from fusion_pass.nvfp4.checks import ArgumentError
 
 __all__ = [
     "CUTLASS_DSL_VERSION",
@@ -29,6 +30,7 @@ __all__ = [
     "FA4_VERSION",
     "address",
     "check_fa4_args",
+    "check_fa4_paged_args",
     "check_nvfp4_buffers",
     "compiled",
     "device_arch",
@@ -126,63 +128,151 @@ def check_fa4_args(fn: str, q, k, v, cu_seqlens, max_seqlen, softmax_scale, caus
     (and ``cu_seqlens``'s) are not read."""
     check_qkv(fn, q, k, v, separate_kv=cu_seqlens_k is not None)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or address(t) % 16:
-            raise ValueError(
-                f"{fn}: {name} must be 16-byte aligned with 16-byte aligned strides (TMA), "
-                f"got strides {t.stride()} and address {address(t):#x}"
-            )
-    d, dv = q.shape[2], v.shape[2]
-    if (d, dv) not in head_dims:
-        raise ValueError(
-            f"{fn}: head dims (q/k D={d}, v Dv={dv}) are not supported by the {kernel} kernels; "
-            f"supported (D, Dv): {', '.join(map(str, head_dims))}"
-        )
-    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise ValueError(f"{fn}: cu_seqlens must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens)}")
-    if cu_seqlens.numel() < 2 or cu_seqlens.device != q.device or not cu_seqlens.is_contiguous():
-        raise ValueError(f"{fn}: cu_seqlens must be contiguous int32 [B + 1 >= 2] on {q.device}, got {describe(cu_seqlens)}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
+        _check_tma_alignment(fn, name, t)
+    _check_head_dims(fn, q.shape[2], v.shape[2], head_dims, kernel)
+    _check_cu_seqlens(fn, q, cu_seqlens, max_seqlen)
     if cu_seqlens_k is not None:
         check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
     check_max_seqlen_k(fn, max_seqlen_k, cu_seqlens_k)
+    _check_scale_and_causal(fn, softmax_scale, causal)
+
+
+def _check_head_dims(fn: str, d: int, dv: int, head_dims, kernel: str) -> None:
+    if (d, dv) not in head_dims:
+        raise ArgumentError(
+            f"{fn}: head dims (q/k D={d}, v Dv={dv}) are not supported by the {kernel} kernels; "
+            f"supported (D, Dv): {', '.join(map(str, head_dims))}"
+        )
+
+
+def _check_cu_seqlens(fn: str, q: Tensor, cu_seqlens, max_seqlen) -> None:
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ArgumentError(f"{fn}: cu_seqlens must be a 1-D int32 tensor [B + 1], got {describe(cu_seqlens)}")
+    if cu_seqlens.numel() < 2 or cu_seqlens.device != q.device or not cu_seqlens.is_contiguous():
+        raise ArgumentError(
+            f"{fn}: cu_seqlens must be contiguous int32 [B + 1 >= 2] on {q.device}, got {describe(cu_seqlens)}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise ArgumentError(f"{fn}: max_seqlen must be a non-negative int, got {max_seqlen!r}")
+
+
+def _check_scale_and_causal(fn: str, softmax_scale, causal) -> None:
     if (
         isinstance(softmax_scale, bool)
         or not isinstance(softmax_scale, (int, float))
         or not math.isfinite(softmax_scale)
         or softmax_scale <= 0
     ):
-        raise ValueError(f"{fn}: softmax_scale must be a positive finite float, got {softmax_scale!r}")
+        raise ArgumentError(f"{fn}: softmax_scale must be a positive finite float, got {softmax_scale!r}")
     if not isinstance(causal, bool):
-        raise ValueError(f"{fn}: causal must be a bool, got {causal!r}")
+        raise ArgumentError(f"{fn}: causal must be a bool, got {causal!r}")
+
+
+def _check_tma_alignment(fn: str, name: str, t: Tensor) -> None:
+    if any((s * t.element_size()) % 16 for s in t.stride()[:-1]) or address(t) % 16:
+        raise ArgumentError(
+            f"{fn}: {name} must be 16-byte aligned with 16-byte aligned strides (TMA), "
+            f"got strides {t.stride()} and address {address(t):#x}"
+        )
+
+
+def check_fa4_paged_args(fn: str, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+                         softmax_scale, causal, *, head_dims: tuple[tuple[int, int], ...], kernel: str) -> None:
+    """The arguments of a paged call (no FA4 import, no sync; no value of a device tensor is read).
+
+    ``q [T, H, D]``; ``k_cache [num_pages, page_size, Hkv, D]`` and ``v_cache [num_pages, page_size, Hkv, Dv]``
+    with unit stride along the head dim and 16-byte aligned strides and addresses (any other strides: views of
+    a larger cache such as keys and values split along the last dim are fine); ``cu_seqlens`` int32 ``[B+1]``;
+    ``seqused_k`` contiguous int32 ``[B]``; ``page_table`` int32 ``[B, max_pages_per_seq]`` with unit stride along
+    its last dim (any row stride); ``max_seqlen_k`` an int in ``0 .. max_pages_per_seq * page_size``."""
+    if not isinstance(q, Tensor) or q.dim() != 3:
+        raise ArgumentError(f"{fn}: q must be a 3-D tensor [T, H, D], got {describe(q)}")
+    for name, t, layout in (("k_cache", k_cache, "[num_pages, page_size, Hkv, D]"),
+                            ("v_cache", v_cache, "[num_pages, page_size, Hkv, Dv]")):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ArgumentError(f"{fn}: {name} must be a 4-D tensor {layout}, got {describe(t)}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in HALF_DTYPES:
+            raise ArgumentError(f"{fn}: {name} must be float16 or bfloat16, got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ArgumentError(
+                f"{fn}: {name} must have unit stride along its last (head) dim, got strides {t.stride()}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ArgumentError(
+            f"{fn}: q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not (q.device == k_cache.device == v_cache.device):
+        raise ArgumentError(
+            f"{fn}: q, k_cache, v_cache must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}")
+    h, d = q.shape[1], q.shape[2]
+    num_pages, page_size, hkv, dk = k_cache.shape
+    if dk != d:
+        raise ArgumentError(
+            f"{fn}: k_cache must be [num_pages, page_size, Hkv, D] with q's D={d}, got {list(k_cache.shape)}")
+    if tuple(v_cache.shape[:3]) != (num_pages, page_size, hkv):
+        raise ArgumentError(
+            f"{fn}: v_cache must be [num_pages, page_size, Hkv, Dv] with k_cache's num_pages={num_pages}, "
+            f"page_size={page_size}, Hkv={hkv}, got {list(v_cache.shape)}")
+    if num_pages == 0 or page_size == 0:
+        raise ArgumentError(
+            f"{fn}: k_cache must hold at least one page of at least one token, got {list(k_cache.shape)}")
+    if hkv == 0 or h % hkv:
+        raise ArgumentError(f"{fn}: q's heads H={h} must be a multiple of the caches' heads Hkv={hkv}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tma_alignment(fn, name, t)
+    _check_head_dims(fn, d, v_cache.shape[3], head_dims, kernel)
+    _check_cu_seqlens(fn, q, cu_seqlens, max_seqlen)
+    b = cu_seqlens.numel() - 1
+    if (not isinstance(seqused_k, Tensor) or seqused_k.dtype != torch.int32 or seqused_k.dim() != 1
+            or seqused_k.numel() != b or seqused_k.device != q.device or seqused_k.stride(0) != 1):
+        raise ArgumentError(
+            f"{fn}: seqused_k must be a contiguous 1-D int32 tensor [B] = [{b}] (B from cu_seqlens) on {q.device}, "
+            f"got {describe(seqused_k)}")
+    if not isinstance(page_table, Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2:
+        raise ArgumentError(
+            f"{fn}: page_table must be a 2-D int32 tensor [B, max_pages_per_seq], got {describe(page_table)}")
+    if page_table.shape[0] != b or page_table.shape[1] == 0 or page_table.device != q.device:
+        raise ArgumentError(
+            f"{fn}: page_table must be int32 [B, max_pages_per_seq >= 1] = [{b}, ...] (B from cu_seqlens) on "
+            f"{q.device}, got {describe(page_table)}")
+    if page_table.stride(1) != 1:
+        raise ArgumentError(
+            f"{fn}: page_table must have unit stride along its last dim, got strides {page_table.stride()}")
+    if address(page_table) % 4:
+        raise ArgumentError(f"{fn}: page_table must be 4-byte aligned, got address {address(page_table):#x}")
+    bound = page_table.shape[1] * page_size
+    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or not 0 <= max_seqlen_k <= bound:
+        raise ArgumentError(
+            f"{fn}: max_seqlen_k must be an int in 0 .. max_pages_per_seq * page_size = "
+            f"{page_table.shape[1]} * {page_size} = {bound}, got {max_seqlen_k!r}")
+    _check_scale_and_causal(fn, softmax_scale, causal)
 
 
 def check_nvfp4_buffers(fn: str, q, v, output, output_scale, output_block_scale) -> None:
-    """The fused kernels' output buffers (no FA4 import, no sync)."""
+    """The fused kernels' output buffers (no FA4 import, no sync). ``v``: the values (``[Tk, Hkv, Dv]``) or the
+    value cache (``[num_pages, page_size, Hkv, Dv]``); only ``Dv`` is read."""
     t, h, _ = q.shape
-    dv = v.shape[2]
+    dv = v.shape[-1]
     row_bytes = h * dv // 2
     if row_bytes % 8:
-        raise ValueError(
+        raise ArgumentError(
             f"{fn}: H * Dv / 2 must be divisible by 8 (one 8-byte store per 16-element block), "
             f"got H={h}, Dv={dv}: {row_bytes}"
         )
     if not isinstance(output, Tensor) or output.element_size() != 1 or output.device != q.device:
-        raise ValueError(f"{fn}: output must be a one-byte tensor on {q.device}, got {describe(output)}")
+        raise ArgumentError(f"{fn}: output must be a one-byte tensor on {q.device}, got {describe(output)}")
     if output.numel() != t * row_bytes or not output.is_contiguous():
-        raise ValueError(
+        raise ArgumentError(
             f"{fn}: output must be contiguous with T * H * Dv / 2 = {t * row_bytes} bytes ([T, H*Dv/2] uint8), "
             f"got {describe(output)}"
         )
     if address(output) % 16:
-        raise ValueError(f"{fn}: output must be 16-byte aligned, got address {address(output):#x}")
+        raise ArgumentError(f"{fn}: output must be 16-byte aligned, got address {address(output):#x}")
     if (
         not isinstance(output_scale, Tensor)
         or output_scale.dtype != torch.float32
         or output_scale.numel() != 1
         or output_scale.device != q.device
     ):
-        raise ValueError(
+        raise ArgumentError(
             f"{fn}: output_scale must be a one-element float32 tensor on {q.device} (the global scale), "
             f"got {describe(output_scale)}"
         )
@@ -194,7 +284,7 @@ def check_nvfp4_buffers(fn: str, q, v, output, output_scale, output_block_scale)
         or not output_block_scale.is_contiguous()
         or output_block_scale.numel() * output_block_scale.element_size() != rows * cols
     ):
-        raise ValueError(
+        raise ArgumentError(
             f"{fn}: output_block_scale must be a contiguous buffer of round_up(T,128) * round_up(H*Dv/16,4) = "
             f"{rows} * {cols} bytes on {q.device} (swizzled e4m3 scales), got {describe(output_block_scale)}"
         )

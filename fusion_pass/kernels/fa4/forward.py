@@ -6,6 +6,9 @@
 ``nvfp4.quantize(fa4_attention_varlen(...))`` and the fused call write the same bytes. :func:`fa4_usable`
 says whether a layer of given dims runs here. The generation is the device's compute capability, or FA4's
 ``FLASH_ATTENTION_ARCH`` under ``FakeTensorMode`` (compile-only checks).
+
+:func:`fa4_attention_paged` and :func:`fa4_attention_nvfp4_paged` are the same pair, with the same contract,
+reading keys and values from a paged KV cache (``seqused_k``, ``page_table``; FA4's own paged forward).
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import torch
 from torch import Tensor
 
 from fusion_pass.kernels.fa4 import common, sm90, sm100
+from fusion_pass.kernels.fa4.generations import GENERATIONS, for_arch
 
-__all__ = ["fa4_attention_nvfp4_varlen", "fa4_attention_varlen", "fa4_generation", "fa4_usable",
-           "supported_head_dims"]
+__all__ = ["fa4_attention_nvfp4_paged", "fa4_attention_nvfp4_varlen", "fa4_attention_paged", "fa4_attention_varlen",
+           "fa4_generation", "fa4_usable", "generation_head_dims", "supported_head_dims"]
 
-_GENERATIONS = {9: sm90, 10: sm100, 11: sm100}
+_MODULES = {"sm90": sm90, "sm100": sm100}  # the kernels of each generation of the table
 
 
 def fa4_generation(device) -> str | None:
@@ -31,7 +35,13 @@ def _module(device):
     if torch.device(device).type != "cuda" and not common.is_fake_mode():
         return None
     arch = common.device_arch(device)
-    return None if arch is None else _GENERATIONS.get(arch // 10)
+    generation = for_arch(arch)
+    return None if generation is None else _MODULES[generation.name]
+
+
+def generation_head_dims(name: str) -> tuple[tuple[int, int], ...]:
+    """``(D, Dv)`` pairs of the kernels of generation ``name`` (:data:`.generations.GENERATIONS`)."""
+    return _MODULES[name].SUPPORTED_HEAD_DIMS
 
 
 def supported_head_dims(device) -> tuple[tuple[int, int], ...]:
@@ -48,12 +58,12 @@ def fa4_usable(device, dtype, num_heads: int, head_dim: int, head_dim_v: int) ->
     arch = common.device_arch(device)
     if arch is None:
         return False, "fa4: no CUDA device"
-    module = _GENERATIONS.get(arch // 10)
-    if module is None:
-        return False, (f"fa4 has kernels for SM90 (H100/H200) and SM100/SM110 (B200, GB200); {device} is sm_{arch}"
+    generation = for_arch(arch)
+    if generation is None:
+        known = " and ".join(f"{g.label} ({g.gpus})" for g in GENERATIONS)
+        return False, (f"fa4 has kernels for {known}; {device} is sm_{arch}"
                        + (" (consumer Blackwell: no kernel of this project yet)" if arch // 10 == 12 else ""))
-    usable = sm90.fa4_sm90_usable if module is sm90 else sm100.fa4_sm100_usable
-    return usable(device, dtype, num_heads, head_dim, head_dim_v)
+    return _MODULES[generation.name].usable(device, dtype, num_heads, head_dim, head_dim_v)
 
 
 _by_device: dict[torch.device, object] = {}
@@ -69,7 +79,8 @@ def _for(fn: str, q: Tensor):
         _by_device[q.device] = module
     if module is None:
         where = q.device if isinstance(q, Tensor) else "no tensor"
-        raise ValueError(f"{fn}: q must be a CUDA tensor on an SM90 or SM100/SM110 GPU, got {where}")
+        known = " or ".join(g.label for g in GENERATIONS)
+        raise ValueError(f"{fn}: q must be a CUDA tensor on an {known} GPU, got {where}")
     return module
 
 
@@ -91,3 +102,24 @@ def fa4_attention_nvfp4_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: T
     :func:`.sm100.fa4_attention_nvfp4_varlen` on Blackwell (same arguments, same bytes)."""
     _for("fa4_attention_nvfp4_varlen", q).FUSED(q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, output,
                                                 output_scale, output_block_scale, cu_seqlens_k, max_seqlen_k)
+
+
+def fa4_attention_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cu_seqlens: Tensor, max_seqlen: int,
+                        seqused_k: Tensor, page_table: Tensor, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                        return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """FA4's paged forward in the query dtype ``[T, H, Dv]`` (and float32 ``lse [T, H]`` with ``return_lse``): the
+    twin of :func:`fa4_attention_nvfp4_paged`, :func:`.sm90.fa4_attention_paged` on Hopper,
+    :func:`.sm100.fa4_attention_paged` on Blackwell (arguments there)."""
+    return _for("fa4_attention_paged", q).PAGED_TWIN(q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k,
+                                                     page_table, max_seqlen_k, softmax_scale, causal, return_lse)
+
+
+def fa4_attention_nvfp4_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cu_seqlens: Tensor, max_seqlen: int,
+                              seqused_k: Tensor, page_table: Tensor, max_seqlen_k: int, softmax_scale: float,
+                              causal: bool, output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
+    """The fused NVFP4 forward on a paged KV cache into the caller's buffers: :func:`.sm90.fa4_attention_nvfp4_paged`
+    on Hopper, :func:`.sm100.fa4_attention_nvfp4_paged` on Blackwell (same arguments, same bytes as
+    ``nvfp4.quantize(fa4_attention_paged(...))``)."""
+    _for("fa4_attention_nvfp4_paged", q).PAGED_FUSED(q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k,
+                                                     page_table, max_seqlen_k, softmax_scale, causal, output,
+                                                     output_scale, output_block_scale)

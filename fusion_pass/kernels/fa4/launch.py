@@ -13,6 +13,11 @@ the call. Fake tensors (compile-only checks) always go the checked path and laun
 The scale buffer's padding (rows ``T .. round_up(T, 128) - 1`` of the swizzled layout) is zeroed with one
 ``index_fill_`` of the last 128-row band through a cached index of its byte offsets (:class:`ScalePadding`);
 nothing when ``T % 128 == 0``.
+
+:class:`PagedFusedLauncher` and :class:`PagedTwinLauncher` are the same two paths for keys and values read from a
+paged cache (``k_cache [num_pages, page_size, Hkv, D]``, ``seqused_k``, ``page_table``): their key adds the
+cache's page size and strides and the types of ``seqused_k`` / ``page_table``; the page count, the batch size and
+the page table's width are run-time values checked on every call.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from fusion_pass.kernels.checks import zero_nvfp4_scale_padding
 from fusion_pass.kernels.fa4 import common
 from fusion_pass.nvfp4 import ArgumentError
 
-__all__ = ["FusedLauncher", "ScalePadding", "TwinLauncher"]
+__all__ = ["FusedLauncher", "PagedFusedLauncher", "PagedTwinLauncher", "ScalePadding", "TwinLauncher"]
 
 _INF = math.inf
 
@@ -270,4 +275,198 @@ class TwinLauncher:
             key = _qkv_key(q, k, v, cu, cu_seqlens_k, causal, cls) + (return_lse,)
             with self._lock:
                 self._plans[key] = plan
+        return result
+
+
+# ---------------------------------------------------------------------------
+# paged KV cache
+# ---------------------------------------------------------------------------
+
+
+def _paged_key(q, k, v, cu, seqused_k, page_table, causal, cls):
+    """What a paged plan depends on: as :func:`_qkv_key`, with the caches' page size, heads and head dims and
+    strides (the page count is a run-time value), and the types of ``seqused_k`` and ``page_table``."""
+    _, h, d = q.shape
+    return (type(q), type(k), type(v), q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, h, d,
+            tuple(k.shape[1:]), tuple(v.shape[1:]), q.stride(), k.stride(), v.stride(), type(cu), cu.dtype, cu.device,
+            cu.stride(), type(seqused_k), seqused_k.dtype, seqused_k.device, type(page_table), page_table.dtype,
+            page_table.device, causal, cls)
+
+
+def _paged_fused_key(q, k, v, cu, seqused_k, page_table, causal, cls, output, output_scale, sf):
+    return _paged_key(q, k, v, cu, seqused_k, page_table, causal, cls) + (
+        type(output), output.dtype, output.device, output.stride(), type(output_scale), output_scale.dtype,
+        output_scale.device, output_scale.shape, type(sf), sf.dtype, sf.device, sf.stride())
+
+
+def _paged_scalars_ok(t, k, v, cu, max_seqlen, seqused_k, page_table, max_seqlen_k, softmax_scale, causal) -> bool:
+    """What the paged key does not fix (the checked path checks all of it again)."""
+    b = cu.numel() - 1
+    return (t > 0 and b >= 1 and 0 < k.shape[0] == v.shape[0] and seqused_k.dim() == 1
+            and seqused_k.numel() == b and seqused_k.stride(0) == 1 and page_table.dim() == 2
+            and page_table.shape[0] == b and page_table.shape[1] > 0 and page_table.stride(1) == 1
+            and type(max_seqlen) is int and max_seqlen >= 0 and type(max_seqlen_k) is int
+            and 0 <= max_seqlen_k <= page_table.shape[1] * k.shape[1]
+            and type(softmax_scale) is float and 0.0 < softmax_scale < _INF and type(causal) is bool)
+
+
+def _paged_tail(plan, max_seqlen: int, seqused_k: Tensor, page_table: Tensor) -> tuple:
+    """The kernel's arguments after ``cu_seqlens``: no ``cu_seqlens_k``, ``max(max_seqlen, 1)`` where the kernel
+    takes it (SM100), then ``seqused_k`` and ``page_table``."""
+    if plan.max_seqlen_arg:
+        return None, max(max_seqlen, 1), seqused_k, page_table
+    return None, seqused_k, page_table
+
+
+class PagedFusedLauncher:
+    """The fused NVFP4 call of one generation on a paged KV cache (module docstring).
+
+    ``check_args(fn, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+    softmax_scale, causal)`` and ``check_buffers(fn, q, v_cache, output, output_scale, output_block_scale)`` raise
+    on bad input; ``config_class(max_seqlen, max_seqlen_k)`` picks the configuration;
+    ``compile_kernel(q, k_cache, v_cache, o, packed, output_scale, scale_bytes, cu_seqlens, seqused_k, page_table,
+    cls, causal)`` returns the compiled kernel, called as ``kernel(q, k_cache, v_cache, o, packed, scale_bytes,
+    output_scale, softmax_scale, cu_seqlens, None[, max(max_seqlen, 1)], seqused_k, page_table)`` (the
+    ``max_seqlen`` with ``max_seqlen_arg``)."""
+
+    def __init__(self, fn: str, *, check_args: Callable, check_buffers: Callable, config_class: Callable,
+                 compile_kernel: Callable, max_seqlen_arg: bool) -> None:
+        self.fn = fn
+        self._check_args, self._check_buffers = check_args, check_buffers
+        self._config_class, self._compile = config_class, compile_kernel
+        self._max_seqlen_arg = max_seqlen_arg
+        self._plans: dict[tuple, _FusedPlan] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                 seqused_k: Tensor, page_table: Tensor, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                 output: Tensor, output_scale: Tensor, output_block_scale: Tensor) -> None:
+        plan = None
+        try:
+            t = q.shape[0]
+            if _paged_scalars_ok(t, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+                                 softmax_scale, causal):
+                cls = self._config_class(max_seqlen, max_seqlen_k)
+                plan = self._plans.get(_paged_fused_key(q, k_cache, v_cache, cu_seqlens, seqused_k, page_table,
+                                                        causal, cls, output, output_scale, output_block_scale))
+                if plan is not None and not (
+                    output.numel() == t * plan.row_bytes
+                    and output_block_scale.numel() * plan.sf_itemsize == -(-t // 128) * 128 * plan.sf_cols
+                    and output.is_contiguous() and output_block_scale.is_contiguous()
+                    and not (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr() | output.data_ptr()) & 15
+                    and not page_table.data_ptr() & 3
+                ):
+                    plan = None
+        except (AttributeError, TypeError, ValueError, IndexError):  # not tensors / wrong dims: the checked path
+            plan = None
+        if plan is None:
+            self._checked(q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+                          softmax_scale, causal, output, output_scale, output_block_scale)
+            return
+        self._launch(plan, t, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, softmax_scale,
+                     output, output_scale, output_block_scale)
+
+    @staticmethod
+    def _launch(plan, t, q, k, v, cu, max_seqlen, seqused_k, page_table, softmax_scale, output, output_scale, sf):
+        packed = output if plan.output_as_is else output.view(torch.uint8).view(t, -1)
+        scale_bytes = sf if plan.sf_as_is else common.scale_bytes_of(sf)
+        o = q if plan.dv_slice is None else q[..., :plan.dv_slice]
+        plan.kernel(q, k, v, o, packed, scale_bytes, output_scale, softmax_scale, cu,
+                    *_paged_tail(plan, max_seqlen, seqused_k, page_table))
+        _padding(scale_bytes, t, plan.width)
+
+    def _checked(self, q, k, v, cu, max_seqlen, seqused_k, page_table, max_seqlen_k, softmax_scale, causal, output,
+                 output_scale, sf) -> None:
+        self._check_args(self.fn, q, k, v, cu, max_seqlen, seqused_k, page_table, max_seqlen_k, softmax_scale,
+                         causal)
+        self._check_buffers(self.fn, q, v, output, output_scale, sf)
+        t, h, d = q.shape
+        if t == 0:
+            return
+        dv = v.shape[3]
+        scale_bytes = common.scale_bytes_of(sf)
+        packed = output.view(torch.uint8).view(t, -1)
+        o = common.unused_o(q, dv)
+        cls = self._config_class(max_seqlen, max_seqlen_k)
+        kernel = self._compile(q, k, v, o, packed, output_scale, scale_bytes, cu, seqused_k, page_table, cls, causal)
+        if common.is_fake_mode():  # compile-only checks
+            return
+        blocks = h * dv // 16
+        plan = _FusedPlan(kernel, h * dv // 2, -(-blocks // 4) * 4, sf.element_size(), h * dv,
+                          output.dtype == torch.uint8 and output.dim() == 2, sf.dtype == torch.uint8 and sf.dim() == 1,
+                          None if d == dv else dv, self._max_seqlen_arg)
+        self._launch(plan, t, q, k, v, cu, max_seqlen, seqused_k, page_table, float(softmax_scale), output,
+                     output_scale, sf)
+        key = _paged_fused_key(q, k, v, cu, seqused_k, page_table, causal, cls, output, output_scale, sf)
+        with self._lock:
+            self._plans[key] = plan
+
+
+class PagedTwinLauncher:
+    """FA4's forward in the query dtype on a paged KV cache, with the fused kernel's configuration (the twin of
+    :class:`PagedFusedLauncher`), same per-call path.
+
+    ``compile_kernel(q, k_cache, v_cache, out, lse, cu_seqlens, seqused_k, page_table, cls, causal)`` returns the
+    compiled kernel, called as ``kernel(q, k_cache, v_cache, out, lse, softmax_scale, cu_seqlens, None[,
+    max(max_seqlen, 1)], seqused_k, page_table)``; ``lse`` is None or float32 ``[H, T]``."""
+
+    def __init__(self, fn: str, *, check_args: Callable, config_class: Callable, compile_kernel: Callable,
+                 max_seqlen_arg: bool) -> None:
+        self.fn = fn
+        self._check_args, self._config_class, self._compile = check_args, config_class, compile_kernel
+        self._max_seqlen_arg = max_seqlen_arg
+        self._plans: dict[tuple, _TwinPlan] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                 seqused_k: Tensor, page_table: Tensor, max_seqlen_k: int, softmax_scale: float, causal: bool,
+                 return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        plan = None
+        try:
+            t = q.shape[0]
+            if type(return_lse) is bool and _paged_scalars_ok(t, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k,
+                                                              page_table, max_seqlen_k, softmax_scale, causal):
+                cls = self._config_class(max_seqlen, max_seqlen_k)
+                plan = self._plans.get(_paged_key(q, k_cache, v_cache, cu_seqlens, seqused_k, page_table, causal, cls)
+                                       + (return_lse,))
+                if plan is not None and ((q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) & 15
+                                         or page_table.data_ptr() & 3):
+                    plan = None
+        except (AttributeError, TypeError, ValueError, IndexError):
+            plan = None
+        if plan is None:
+            return self._checked(q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+                                 softmax_scale, causal, return_lse)
+        return self._launch(plan, t, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table,
+                            softmax_scale, return_lse)
+
+    @staticmethod
+    def _launch(plan, t, q, k, v, cu, max_seqlen, seqused_k, page_table, softmax_scale, return_lse):
+        out = q.new_empty((t, q.shape[1], plan.dv))
+        lse = q.new_empty((q.shape[1], t), dtype=torch.float32) if return_lse else None
+        plan.kernel(q, k, v, out, lse, softmax_scale, cu, *_paged_tail(plan, max_seqlen, seqused_k, page_table))
+        return (out, lse.t()) if return_lse else out
+
+    def _checked(self, q, k, v, cu, max_seqlen, seqused_k, page_table, max_seqlen_k, softmax_scale, causal,
+                 return_lse):
+        self._check_args(self.fn, q, k, v, cu, max_seqlen, seqused_k, page_table, max_seqlen_k, softmax_scale,
+                         causal)
+        if not isinstance(return_lse, bool):
+            raise ArgumentError(f"{self.fn}: return_lse must be a bool, got {return_lse!r}")
+        t, h, _ = q.shape
+        dv = v.shape[3]
+        out = torch.empty((t, h, dv), dtype=q.dtype, device=q.device)
+        lse = torch.empty((h, t), dtype=torch.float32, device=q.device) if return_lse else None
+        if t == 0:
+            return (out, lse.t()) if return_lse else out
+        cls = self._config_class(max_seqlen, max_seqlen_k)
+        kernel = self._compile(q, k, v, out, lse, cu, seqused_k, page_table, cls, causal)
+        if common.is_fake_mode():
+            return (out, lse.t()) if return_lse else out
+        plan = _TwinPlan(kernel, dv, self._max_seqlen_arg)
+        result = self._launch(plan, t, q, k, v, cu, max_seqlen, seqused_k, page_table, float(softmax_scale),
+                              return_lse)
+        key = _paged_key(q, k, v, cu, seqused_k, page_table, causal, cls) + (return_lse,)
+        with self._lock:
+            self._plans[key] = plan
         return result

@@ -14,8 +14,12 @@ memory, and ``_store_O_to_gmem`` copies shared memory to global memory. The subc
 
 ``__call__`` (host, ``@cute.jit``)
     Our signature ``(mQ, mK, mV, mO, mOq, mSF, mGS, softmax_scale, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q,
-    stream)``. It calls FA4's ``__call__`` with the NVFP4 tensors in FA4's ``AuxData`` argument, the one
-    argument FA4 hands unchanged from the host function into the kernel.
+    mSeqUsedK, mPageTable, stream)``. It calls FA4's ``__call__`` with the NVFP4 tensors in FA4's ``AuxData``
+    argument, the one argument FA4 hands unchanged from the host function into the kernel. ``mSeqUsedK`` and
+    ``mPageTable`` (None but for a paged KV cache, ``mK``/``mV`` then ``[num_pages, page_size, Hkv, D|Dv]`` and
+    ``mCuSeqlensK`` None) go to FA4's ``__call__`` unchanged: FA4's own paged forward (TMA loads for 128-token
+    pages, cp.async with ``paged_kv_non_tma`` otherwise). The output stage is unchanged: ``mO_cur`` still
+    follows ``mCuSeqlensQ``.
 ``softmax_loop`` (trace time only)
     Receives ``aux_data`` inside the kernel region and keeps its tensors on ``self`` for the epilogue
     (kernel parameters, valid anywhere in the kernel). The softmax warps' branch is traced before the
@@ -83,8 +87,10 @@ class FlashAttentionForwardSm100Nvfp4(FlashAttentionForwardSm100):
         mGS: cute.Tensor,
         softmax_scale: Float32,
         mCuSeqlensQ: cute.Tensor,
-        mCuSeqlensK: cute.Tensor,
+        mCuSeqlensK: Optional[cute.Tensor],
         max_seqlen_q: Int32,
+        mSeqUsedK: Optional[cute.Tensor] = None,  # paged KV: keys per sequence (FA4's own paged arguments)
+        mPageTable: Optional[cute.Tensor] = None,
         stream: cuda.CUstream = None,  # last: TVM-FFI fills it with the caller's current stream
     ):
         super().__call__(
@@ -96,6 +102,8 @@ class FlashAttentionForwardSm100Nvfp4(FlashAttentionForwardSm100):
             softmax_scale,
             mCuSeqlensQ,
             mCuSeqlensK,
+            mSeqUsedK=mSeqUsedK,
+            mPageTable=mPageTable,
             aux_data=AuxData((mOq, mSF, mGS, mO), None),
             max_seqlen_q=max_seqlen_q,
             stream=stream,

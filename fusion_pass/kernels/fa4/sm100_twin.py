@@ -6,7 +6,8 @@ and ``cutlass`` at its top (the CuTe DSL rewrites ``@cute.jit`` functions from t
 
 :class:`FlashAttentionForwardSm100Twin` is ``flash_attn.cute.flash_fwd_sm100.FlashAttentionForwardSm100`` unchanged,
 called with the arguments of :class:`~fusion_pass.kernels.fa4.sm100_kernel.FlashAttentionForwardSm100Nvfp4` less
-the NVFP4 buffers. Built by :mod:`.sm100` with the fused kernel's configuration, it writes O (``[T, H, Dv]`` in the
+the NVFP4 buffers (``mSeqUsedK`` / ``mPageTable`` for a paged KV cache, as the fused kernel takes them). Built by
+:mod:`.sm100` with the fused kernel's configuration, it writes O (``[T, H, Dv]`` in the
 query dtype) with FA4's own epilogue, and the log-sum-exp when ``mLSE`` (float32 ``[H, T]``) is given: the output
 the fused kernel's bytes are compared with.
 """
@@ -37,9 +38,11 @@ class FlashAttentionForwardSm100Twin(FlashAttentionForwardSm100):
         mLSE: Optional[cute.Tensor],
         softmax_scale: Float32,
         mCuSeqlensQ: cute.Tensor,
-        mCuSeqlensK: cute.Tensor,
+        mCuSeqlensK: Optional[cute.Tensor],
         max_seqlen_q: Int32,
+        mSeqUsedK: Optional[cute.Tensor] = None,  # paged KV cache: as FA4's own interface passes them
+        mPageTable: Optional[cute.Tensor] = None,
         stream: cuda.CUstream = None,
     ):
-        super().__call__(mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, mCuSeqlensK, max_seqlen_q=max_seqlen_q,
-                         stream=stream)
+        super().__call__(mQ, mK, mV, mO, mLSE, softmax_scale, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK=mSeqUsedK,
+                         mPageTable=mPageTable, max_seqlen_q=max_seqlen_q, stream=stream)

@@ -15,7 +15,9 @@ methods:
 
 ``__call__`` (host, ``@cute.jit``)
     A signature of our own: ``(mQ, mK, mV, mO, mOq, mSF, mGS, softmax_scale,
-    mCuSeqlensQ, mCuSeqlensK, stream)``. It calls FA4's ``__call__`` with the
+    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, stream)`` (the last two
+    None but for a paged KV cache; they go to FA4's ``__call__`` unchanged,
+    as FA4's own interface passes them). It calls FA4's ``__call__`` with the
     three NVFP4 tensors packed into FA4's ``AuxData`` argument, because
     ``AuxData`` is the one argument that FA4 forwards, unchanged, from the host
     function through ``kernel`` into ``mma``. A tensor stored on ``self`` in the
@@ -51,6 +53,11 @@ Tensors (T = total tokens of the varlen batch, H query heads, Dv = v head dim):
   swizzled layout (docs/nvfp4.md). Only entries of rows ``< T`` are written.
 * ``mGS``: float32 ``[1]``, the global scale, read on the device.
 * ``mCuSeqlensQ``, ``mCuSeqlensK``: int32 ``[B+1]`` (the same tensor when keys are the queries' own tokens; keys of context + new tokens otherwise, causal aligned to the end).
+* Paged KV cache (FA4's own paged forward): ``mK`` ``[num_pages, page_size, Hkv, D]``, ``mV``
+  ``[num_pages, page_size, Hkv, Dv]``, ``mCuSeqlensK`` None, ``mSeqUsedK`` int32 ``[B]`` (keys per sequence),
+  ``mPageTable`` int32 ``[B, max_pages_per_seq]``. FA4 loads K/V by TMA when the page size is ``tile_n``
+  (built with ``paged_kv_non_tma=False``) and by cp.async otherwise; the queries and the output rows still follow
+  ``mCuSeqlensQ``, so the epilogue's ``seqlen.offset_q + row`` is unchanged.
 
 Requirements checked by the entry point before compiling: ``pack_gqa`` is False
 (with it a tile's rows are (token, head) pairs), ``Dv`` equals the kernel's
@@ -98,6 +105,8 @@ class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
         softmax_scale: Float32,
         mCuSeqlensQ: Optional[cute.Tensor] = None,
         mCuSeqlensK: Optional[cute.Tensor] = None,
+        mSeqUsedK: Optional[cute.Tensor] = None,  # paged KV: keys per sequence (FA4's own paged arguments)
+        mPageTable: Optional[cute.Tensor] = None,
         stream: cuda.CUstream = None,  # last: TVM-FFI fills it with the caller's current stream
     ):
         super().__call__(
@@ -109,6 +118,8 @@ class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
             softmax_scale,
             mCuSeqlensQ,
             mCuSeqlensK,
+            mSeqUsedK=mSeqUsedK,
+            mPageTable=mPageTable,
             aux_data=AuxData((mOq, mSF, mGS), None),
             stream=stream,
         )

@@ -21,8 +21,15 @@ tokens after ``Lk - Lq`` cached context tokens.
 The query/key head dim need not be a power of two: it is split into a
 power-of-two part and a tail (MLA prefill's 192 = 128 + 64), each its own dot.
 
-:func:`flash_attention` and :func:`flash_attention_nvfp4` are unvalidated
-launchers; the checked entry points are in :mod:`fusion_pass.kernels`.
+Paged KV cache (:mod:`.paged`: ``flash_attention_paged``, ``flash_attention_nvfp4_paged``): the same kernel with
+the ``PAGED`` constexpr reads sequence ``b``'s ``seqused_k[b]`` keys through row ``b`` of a page table from
+``k_cache [num_pages, page_size, Hkv, Dqk]`` / ``v_cache [num_pages, page_size, Hkv, Dv]`` (any strides but
+the last), FlashAttention's and vLLM's paged layout; only the addresses of the key rows differ
+(:func:`_key_rows`), the blocks, masks, online softmax and epilogues are shared.
+
+:func:`flash_attention`, :func:`flash_attention_nvfp4` and :mod:`.paged`'s two are unvalidated
+launchers; the checked entry points are in :mod:`fusion_pass.kernels` (the fused backends' paged call is
+:func:`fusion_pass.kernels.launchers.flash_attention_nvfp4_paged`).
 """
 
 from __future__ import annotations
@@ -36,8 +43,14 @@ import triton.language as tl
 from fusion_pass import nvfp4
 from fusion_pass.kernels.checks import zero_nvfp4_scale_padding
 from fusion_pass.kernels.triton.nvfp4_math import quantize_pairs, swizzled_scale_offset
+from fusion_pass.kernels.triton.tiles import attention_config, split_head_dim
 
-__all__ = ["flash_attention", "flash_attention_nvfp4", "attention_config", "split_head_dim"]
+__all__ = [
+    "attention_config",
+    "flash_attention",
+    "flash_attention_nvfp4",
+    "split_head_dim",
+]
 
 EPILOGUE_HALF = 0
 EPILOGUE_NVFP4 = 1
@@ -46,13 +59,38 @@ LN2 = tl.constexpr(0.6931471805599453)  # the kernel's log-sum-exp is base 2; it
 
 
 @triton.jit
-def _load_tokens(ptr, stride_t, tokens, dims, token_limit, dim_limit, MASK_TOKENS: tl.constexpr, MASK_DIMS: tl.constexpr):
-    """Tile ``[len(tokens), len(dims)]`` of a token-major tensor; masked reads give 0."""
-    offsets = tokens[:, None].to(tl.int64) * stride_t + dims[None, :]
+def _load_rows(ptr, row_offsets, tokens, dims, token_limit, dim_limit, MASK_TOKENS: tl.constexpr,
+               MASK_DIMS: tl.constexpr):
+    """Tile ``[len(tokens), len(dims)]``: token ``tokens[i]``'s row starts at ``ptr + row_offsets[i]`` (int64;
+    unit stride along the dims); masked reads (tokens from ``token_limit`` on, dims from ``dim_limit`` on)
+    give 0 and read nothing."""
+    offsets = row_offsets[:, None] + dims[None, :]
     if MASK_TOKENS or MASK_DIMS:
         mask = (tokens[:, None] < token_limit) & (dims[None, :] < dim_limit)
         return tl.load(ptr + offsets, mask=mask, other=0.0)
     return tl.load(ptr + offsets)
+
+
+@triton.jit
+def _key_rows(keys, seqlen_k, page_row_ptr, page_size, stride_kp, stride_kt, stride_vp, stride_vt,
+              MASKED: tl.constexpr, PAGED: tl.constexpr):
+    """int64 offsets of the rows of ``keys`` in ``k`` and ``v`` (from the kv head's base).
+
+    Contiguous keys (``PAGED`` false): key ``j`` is row ``j`` (strides ``stride_kt`` / ``stride_vt``).
+    Paged: key ``j`` is slot ``j % page_size`` (strides ``stride_kt`` / ``stride_vt``) of page
+    ``page_row_ptr[j // page_size]`` (strides ``stride_kp`` / ``stride_vp``); ``MASKED`` blocks read no
+    page-table entry for keys from ``seqlen_k`` on (their rows are never loaded either).
+    """
+    if PAGED:
+        page_index = keys // page_size
+        if MASKED:
+            pages = tl.load(page_row_ptr + page_index, mask=keys < seqlen_k, other=0)
+        else:
+            pages = tl.load(page_row_ptr + page_index)
+        pages = pages.to(tl.int64)
+        slots = (keys - page_index * page_size).to(tl.int64)
+        return pages * stride_kp + slots * stride_kt, pages * stride_vp + slots * stride_vt
+    return keys.to(tl.int64) * stride_kt, keys.to(tl.int64) * stride_vt
 
 
 @triton.jit
@@ -67,11 +105,11 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def _attend_block(
     acc, row_max, row_sum, q_main, q_tail,
-    k_ptr, v_ptr, stride_kt, stride_vt,
+    k_ptr, v_ptr, stride_kt, stride_vt, page_row_ptr, page_size, stride_kp, stride_vp,
     start_n, rows, seqlen_k, diag, qk_scale,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PAGED: tl.constexpr,
 ):
     """Fold keys ``[start_n, start_n + BLOCK_N)`` into the online softmax.
 
@@ -79,16 +117,19 @@ def _attend_block(
     ``0 .. seqlen_k - 1`` and ``diag = Lk - Lq``. ``MASKED`` blocks (those on the
     diagonal and the sequence's last block) mask keys past the sequence and,
     causally, keys ``j > row + diag``; unmasked ones are wholly visible to every
-    query row of the tile.
+    query row of the tile. Keys are rows of ``k`` / ``v`` (``PAGED`` false) or
+    slots of the pages ``page_row_ptr`` lists (:func:`_key_rows`).
     """
     keys = start_n + tl.arange(0, BLOCK_N)
+    k_rows, v_rows = _key_rows(keys, seqlen_k, page_row_ptr, page_size, stride_kp, stride_kt, stride_vp, stride_vt,
+                               MASKED, PAGED)
     d_main = tl.arange(0, BLOCK_D_MAIN)
-    k_main = _load_tokens(k_ptr, stride_kt, keys, d_main, seqlen_k, HEAD_DIM_QK, MASKED, BLOCK_D_MAIN > HEAD_DIM_QK)
+    k_main = _load_rows(k_ptr, k_rows, keys, d_main, seqlen_k, HEAD_DIM_QK, MASKED, BLOCK_D_MAIN > HEAD_DIM_QK)
     scores = _dot(q_main, tl.trans(k_main), tl.zeros((q_main.shape[0], BLOCK_N), tl.float32), UPCAST)
     if BLOCK_D_TAIL > 0:
         d_tail = BLOCK_D_MAIN + tl.arange(0, BLOCK_D_TAIL)
-        k_tail = _load_tokens(
-            k_ptr, stride_kt, keys, d_tail, seqlen_k, HEAD_DIM_QK, MASKED, BLOCK_D_MAIN + BLOCK_D_TAIL > HEAD_DIM_QK
+        k_tail = _load_rows(
+            k_ptr, k_rows, keys, d_tail, seqlen_k, HEAD_DIM_QK, MASKED, BLOCK_D_MAIN + BLOCK_D_TAIL > HEAD_DIM_QK
         )
         scores = _dot(q_tail, tl.trans(k_tail), scores, UPCAST)
     scores = scores * qk_scale  # log2 domain
@@ -105,7 +146,7 @@ def _attend_block(
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None]
     d_v = tl.arange(0, BLOCK_DV)
-    v = _load_tokens(v_ptr, stride_vt, keys, d_v, seqlen_k, HEAD_DIM_V, MASKED, BLOCK_DV > HEAD_DIM_V)
+    v = _load_rows(v_ptr, v_rows, keys, d_v, seqlen_k, HEAD_DIM_V, MASKED, BLOCK_DV > HEAD_DIM_V)
     p = p.to(v.dtype)
     non_finite = 0
     if MASKED and CAUSAL:
@@ -122,8 +163,8 @@ def _attend_block(
 
 @triton.jit
 def _put_back_non_finite(
-    acc, v_ptr, stride_vt, key_start, key_end, seqlen_k, last_key,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    acc, v_ptr, stride_vt, page_row_ptr, page_size, stride_vp, key_start, key_end, seqlen_k, last_key,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, PAGED: tl.constexpr,
 ):
     """``acc`` with the non-finite values of keys ``[key_start, key_end)`` that each row sees (keys
     ``<= last_key[row]``) put back, after the masked blocks took them as 0.
@@ -140,7 +181,8 @@ def _put_back_non_finite(
     first_neg = first_nan
     for start_n in range(key_start, key_end, 16):
         keys = start_n + tl.arange(0, 16)
-        v = _load_tokens(v_ptr, stride_vt, keys, d_v, seqlen_k, HEAD_DIM_V, True, BLOCK_DV > HEAD_DIM_V)
+        _, v_rows = _key_rows(keys, seqlen_k, page_row_ptr, page_size, 0, 0, stride_vp, stride_vt, True, PAGED)
+        v = _load_rows(v_ptr, v_rows, keys, d_v, seqlen_k, HEAD_DIM_V, True, BLOCK_DV > HEAD_DIM_V)
         v = v.to(tl.float32)
         k = keys[:, None]
         first_nan = tl.minimum(first_nan, tl.min(tl.where(v != v, k, never), axis=0))
@@ -207,6 +249,7 @@ def _store_lse(row_max, row_sum, lse_ptr, stride_lt, stride_lh, tokens, rows_val
 def _flash_attention_kernel(
     q_ptr, k_ptr, v_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    page_table_ptr, stride_pb, page_size, stride_kp, stride_vp,  # PAGED
     out_ptr, stride_ot, stride_oh,  # half epilogue
     lse_ptr, stride_lt, stride_lh,  # half epilogue, STORE_LSE
     packed_ptr, scales_ptr, global_scale_ptr, packed_row_bytes, scale_col_tiles,  # NVFP4 epilogue
@@ -215,11 +258,19 @@ def _flash_attention_kernel(
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EPILOGUE: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """Program ``(m, h, b)``: query rows ``[m*BLOCK_M, +BLOCK_M)`` of sequence ``b``, head ``h``.
 
     Causal grids run the query tiles last-first (the longest key ranges start
     first, which balances the tail of the launch).
+
+    Keys: rows ``[ck[b], ck[b+1])`` of ``k`` / ``v`` (``cu_seqlens_k_ptr`` = ``ck``; strides
+    ``stride_kt`` / ``stride_vt`` per token), or with ``PAGED`` the first ``seqused_k[b]``
+    (``cu_seqlens_k_ptr`` = ``seqused_k``) slots of the pages listed in row ``b`` of the page
+    table (``page_table_ptr``, row stride ``stride_pb``): key ``j`` is slot ``j % page_size``
+    (stride ``stride_kt`` / ``stride_vt``) of page ``page_table[b, j // page_size]`` (stride
+    ``stride_kp`` / ``stride_vp``). One body for both: only the key rows' addresses differ.
     """
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -231,17 +282,24 @@ def _flash_attention_kernel(
     start_m = m_block * BLOCK_M
     if start_m >= seqlen:
         return
-    key_start = tl.load(cu_seqlens_k_ptr + seq)
-    seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - key_start
-    diag = seqlen_k - seqlen  # query i sees keys j <= i + diag (causal)
     kv_head = head // kv_group
+    if PAGED:
+        seqlen_k = tl.load(cu_seqlens_k_ptr + seq)  # seqused_k
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_vh
+        page_row = page_table_ptr + seq.to(tl.int64) * stride_pb
+    else:
+        key_start = tl.load(cu_seqlens_k_ptr + seq)
+        seqlen_k = tl.load(cu_seqlens_k_ptr + seq + 1) - key_start
+        k_base = k_ptr + key_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        v_base = v_ptr + key_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        page_row = page_table_ptr  # not read
+    diag = seqlen_k - seqlen  # query i sees keys j <= i + diag (causal)
 
     rows = start_m + tl.arange(0, BLOCK_M)  # positions within the sequence
     rows_valid = rows < seqlen
     tokens = seq_start + rows
     q_base = q_ptr + seq_start.to(tl.int64) * stride_qt + head * stride_qh
-    k_base = k_ptr + key_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-    v_base = v_ptr + key_start.to(tl.int64) * stride_vt + kv_head * stride_vh
 
     d_main = tl.arange(0, BLOCK_D_MAIN)
     q_main = tl.load(
@@ -272,21 +330,23 @@ def _flash_attention_kernel(
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, row_max, row_sum, _ = _attend_block(
             acc, row_max, row_sum, q_main, q_tail, k_base, v_base, stride_kt, stride_vt,
-            start_n, rows, seqlen_k, diag, qk_scale,
-            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=False, CAUSAL=CAUSAL, UPCAST=UPCAST,
+            page_row, page_size, stride_kp, stride_vp, start_n, rows, seqlen_k, diag, qk_scale,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=False, CAUSAL=CAUSAL,
+            UPCAST=UPCAST, PAGED=PAGED,
         )
     non_finite = 0  # a masked block's values held a non-finite element (causal only: _attend_block)
     for start_n in range(unmasked_end, key_end, BLOCK_N):
         acc, row_max, row_sum, block_non_finite = _attend_block(
             acc, row_max, row_sum, q_main, q_tail, k_base, v_base, stride_kt, stride_vt,
-            start_n, rows, seqlen_k, diag, qk_scale,
-            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=True, CAUSAL=CAUSAL, UPCAST=UPCAST,
+            page_row, page_size, stride_kp, stride_vp, start_n, rows, seqlen_k, diag, qk_scale,
+            HEAD_DIM_QK, HEAD_DIM_V, BLOCK_D_MAIN, BLOCK_D_TAIL, BLOCK_DV, BLOCK_N, MASKED=True, CAUSAL=CAUSAL,
+            UPCAST=UPCAST, PAGED=PAGED,
         )
         non_finite = non_finite | block_non_finite
     if CAUSAL:
         if non_finite != 0:
-            acc = _put_back_non_finite(acc, v_base, stride_vt, unmasked_end, key_end, seqlen_k, rows + diag,
-                                       HEAD_DIM_V, BLOCK_DV)
+            acc = _put_back_non_finite(acc, v_base, stride_vt, page_row, page_size, stride_vp, unmasked_end,
+                                       key_end, seqlen_k, rows + diag, HEAD_DIM_V, BLOCK_DV, PAGED)
 
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     if EPILOGUE == 0:  # EPILOGUE_HALF (module constants are plain ints for the launcher)
@@ -300,46 +360,14 @@ def _flash_attention_kernel(
         )
 
 
-def split_head_dim(head_dim: int) -> tuple[int, int]:
-    """``(main, tail)`` power-of-two dot widths covering ``head_dim`` (tail 0 when none).
-
-    ``main`` is the largest power of two <= ``head_dim`` (at least 16); the tail
-    covers the rest, at least 16 wide (a dot's minimum), masked past ``head_dim``.
-    192 -> (128, 64); 128 -> (128, 0); 72 -> (64, 16).
-    """
-    main = max(16, 1 << (head_dim.bit_length() - 1))
-    rest = head_dim - main
-    tail = 0 if rest <= 0 else max(16, triton.next_power_of_2(rest))
-    return main, tail
-
-
-LONG_SEQUENCE = 1024
-"""From this ``max_seqlen`` on, the CUDA configs use 128 x 128 tiles."""
-
-
-def attention_config(head_dim_qk: int, head_dim_v: int, device: torch.device, max_seqlen: int = 0) -> dict:
-    """Tile sizes and launch options for these head dims and sequence length on ``device``.
-
-    ``BLOCK_M`` must be a multiple of ``BLOCK_N`` (the causal loop splits at a
-    query tile's first row). Chosen with ``bench/tune.py`` on the H200, by the
-    NVFP4-epilogue time (docs/benchmarks.md): 64-row tiles win at 512 tokens per
-    sequence (more programs to fill 132 SMs), 128 x 128 tiles at 8192. The
-    interpreter (CPU tensors) gets small tiles so tests stay fast.
-    """
-    if device.type != "cuda":
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
-    mla = head_dim_qk + head_dim_v > 256  # MLA prefill 192/128
-    if max_seqlen >= LONG_SEQUENCE:
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2 if mla else 3}
-    if mla:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
-
-
 def _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, epilogue, out, lse, packed, scales,
-            global_scale, config=None):
+            global_scale, config=None, page_table=None):
+    """One launch of :func:`_flash_attention_kernel`. Contiguous keys: ``k [Tk, Hkv, Dqk]``, ``v [Tk, Hkv, Dv]``,
+    ``cu_seqlens_k`` (None: ``cu_seqlens``). Paged (``page_table`` given): ``k [P, S, Hkv, Dqk]``,
+    ``v [P, S, Hkv, Dv]`` caches and ``cu_seqlens_k`` holding ``seqused_k``."""
     t, num_heads, head_dim_qk = q.shape
-    num_kv_heads, head_dim_v = v.shape[1], v.shape[2]
+    paged = page_table is not None
+    num_kv_heads, head_dim_v = v.shape[-2], v.shape[-1]
     batch = cu_seqlens.shape[0] - 1
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim_qk)
@@ -351,14 +379,29 @@ def _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale
     grid = (triton.cdiv(max_seqlen, block_m), num_heads, batch)
     if t == 0 or batch == 0 or max_seqlen == 0:
         return
-    if k.shape[0] == 0:  # no key anywhere: nothing is loaded, but an empty tensor is no pointer to pass
-        k = v = q
+    if paged:
+        # [P, S, Hkv, D]: page, slot (the per-token stride), head
+        stride_kp, stride_kt, stride_kh = k.stride(0), k.stride(1), k.stride(2)
+        stride_vp, stride_vt, stride_vh = v.stride(0), v.stride(1), v.stride(2)
+        page_size = k.shape[1]
+        stride_pb = page_table.stride(0)
+        if k.numel() == 0 or v.numel() == 0 or page_table.numel() == 0:  # no key anywhere (seqused_k all 0)
+            k = v = q
+            page_table = cu_seqlens
+    else:
+        stride_kt, stride_kh, stride_vt, stride_vh = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
+        stride_kp = stride_vp = stride_pb = 0
+        page_size = 1
+        page_table = cu_seqlens  # not read
+        if k.shape[0] == 0:  # no key anywhere: nothing is loaded, but an empty tensor is no pointer to pass
+            k = v = q
     nvfp4_out = epilogue == EPILOGUE_NVFP4
     half = out if not nvfp4_out else q  # placeholders keep the signature fixed
     lse_buf = lse if lse is not None else q
     _flash_attention_kernel[grid](
         q, k, v, cu_seqlens, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q.stride(0), q.stride(1), stride_kt, stride_kh, stride_vt, stride_vh,
+        page_table, stride_pb, page_size, stride_kp, stride_vp,
         half, half.stride(0), half.stride(1),
         lse_buf, lse_buf.stride(0), lse_buf.stride(1),
         packed if nvfp4_out else q, scales if nvfp4_out else q, global_scale if nvfp4_out else q,
@@ -368,6 +411,7 @@ def _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale
         BLOCK_D_MAIN=d_main, BLOCK_D_TAIL=d_tail, BLOCK_DV=triton.next_power_of_2(head_dim_v),
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, EPILOGUE=epilogue, STORE_LSE=lse is not None, UPCAST=q.device.type != "cuda",
+        PAGED=paged,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -429,8 +473,15 @@ def flash_attention_nvfp4(
         span ``0 .. T``); the padding scale entries (rows ``>= T``, columns
         ``>= H*Dv/16``) are zeroed here. No other byte is touched.
     """
+    return _nvfp4_launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, global_scale, causal, softmax_scale, packed,
+                         scales, config, None)
+
+
+def _nvfp4_launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, global_scale, causal, softmax_scale, packed, scales,
+                  config, page_table):
+    """The NVFP4 launchers' body: buffers allocated where not given, the scale padding zeroed, one launch."""
     t, num_heads = q.shape[0], q.shape[1]
-    width = num_heads * v.shape[2]
+    width = num_heads * v.shape[-1]
     rows, cols = nvfp4.scale_shape(t, width, swizzled=True)
     if packed is None:
         packed = torch.empty((t, width // 2), dtype=torch.uint8, device=q.device)
@@ -439,5 +490,5 @@ def flash_attention_nvfp4(
     scale_bytes = scales.view(torch.uint8).view(-1)
     zero_nvfp4_scale_padding(scale_bytes, t, width)
     _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, EPILOGUE_NVFP4, None, None,
-            packed.view(torch.uint8), scale_bytes, global_scale, config)
+            packed.view(torch.uint8), scale_bytes, global_scale, config, page_table)
     return packed.view(t, width // 2), scale_bytes.view(rows, cols).view(torch.float8_e4m3fn)

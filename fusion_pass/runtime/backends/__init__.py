@@ -1,5 +1,6 @@
 """The fused backends: one module each (:mod:`.fa4`, :mod:`.triton`, :mod:`.reference`), what a backend is
-(:mod:`.base`) and the choice of one for a layer (:mod:`.selection`)."""
+(:mod:`.base`), the one table of them in ``auto``'s order (:mod:`.registry`) and the choice of one for a layer
+(:mod:`.selection`)."""
 
 from fusion_pass.runtime.backends.base import Backend
 from fusion_pass.runtime.backends.canary import canary_batches

@@ -4,17 +4,19 @@ A backend supplies kernels; it never calls back up into the run time. The row pl
 (:mod:`fusion_pass.runtime.row_plan`) decides which rows it writes and calls its three kernels: the fused
 attention of a run of prefills (:meth:`Backend.run_varlen`), and for a context beyond the workspace bound a
 partial attention with its log-sum-exp (:meth:`Backend.attention_lse`) and the NVFP4 merge
-(:meth:`Backend.merge_nvfp4`).
+(:meth:`Backend.merge_nvfp4`). A backend with ``handles_paged`` also runs a whole call, decode rows included, in
+one launch over a paged KV cache (:meth:`Backend.run_paged`).
+
+What the rest of the run time needs to know of a backend is an attribute or a method of it (never a comparison of
+its name): the table of backends is :mod:`.registry`.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
-
-from fusion_pass.kernels import launchers
 
 __all__ = ["Backend", "HALF_DTYPES", "KernelBackend", "check_device_dtype", "fuses"]
 
@@ -25,18 +27,29 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 class Backend(Protocol):
     """What the guard and the row plan need from a fused backend.
 
-    ``name`` is its name in the selection order; ``handles_context`` says whether :meth:`run_varlen` takes
-    keys of cached context + new tokens (``cu_seqlens_k``), i.e. whether it runs chunked prefills and
-    prefix-cache hits."""
+    ``name`` is its name in the selection order (and a value of the backend setting); ``handles_context`` says
+    whether :meth:`run_varlen` takes keys of cached context + new tokens (``cu_seqlens_k``), i.e. whether it runs
+    chunked prefills and prefix-cache hits. ``handles_paged`` (optional, default False) says whether it has
+    :meth:`run_paged`. ``timed``: whether ``fusion-pass selftest`` times it against the unfused path (a fast
+    path, not an oracle)."""
 
     name: str
     handles_context: bool
+    timed: bool
+    # optional ``half_attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> [T, H, Dv]``: causal attention
+    # in the query dtype with the main loop of its fused kernel, which computes the unfused path of a pure-prefill
+    # call on CUDA (None or absent: the layer's PyTorch runtime computes it)
     # optional ``kv_dtype``: the dtype the row plan gives keys and values in (default: the query's)
     # optional self-check (:mod:`fusion_pass.runtime.self_check`): ``self_check_needed(device) -> (bool, why)``
     # and ``canary(device, dtype, num_heads, qk_head_dim, v_head_dim) -> (passed, detail)``
 
     def available(self) -> tuple[bool, str]:
         """``(True, short description)`` or ``(False, why not)``; cached per process."""
+        ...
+
+    def refresh(self) -> None:
+        """Forget what :meth:`available` (and the device detection behind it) cached; the next query detects
+        again."""
         ...
 
     def fast_on(self, device: torch.device) -> tuple[bool, str]:
@@ -63,6 +76,16 @@ class Backend(Protocol):
         ``output`` uint8 ``[T, H*Dv/2]``, ``output_block_scale`` the swizzled scales of ``T`` rows: the
         sequences' rows are written, the scale padding zeroed."""
         ...
+
+    # optional, with ``handles_paged = True``:
+    # def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+    #               softmax_scale, output, output_scale, output_block_scale) -> None
+    #     Every row of a call in one fused launch over a paged KV cache: ``q [T, H, D]``; ``k_cache
+    #     [num_pages, page_size, Hk, D]``, ``v_cache [num_pages, page_size, Hk, Dv]`` (unit stride on the last dim);
+    #     ``cu_seqlens`` int32 ``[B+1]`` the rows of each sequence (decode rows are sequences of one row);
+    #     ``seqused_k`` int32 ``[B]`` its keys, ``page_table`` int32 ``[B, max_pages]`` where they are (key ``j`` of
+    #     sequence ``b`` at ``k_cache[page_table[b, j // page_size], j % page_size]``); causal, aligned to the end.
+    #     Output buffers as :meth:`run_varlen`'s.
 
     def attention_lse(
         self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, cu_seqlens_k: Tensor,
@@ -95,18 +118,23 @@ def fuses(backend: Backend, context_len: int) -> bool:
 
 
 class KernelBackend:
-    """The chunked-context kernels of a backend, by kernel family (:mod:`fusion_pass.kernels.launchers`):
-    :meth:`attention_lse` runs ``lse_kernel``'s attention with its log-sum-exp, :meth:`merge_nvfp4`
-    ``merge_kernel``'s NVFP4 merge. Subclasses set the two names and supply ``run_varlen``."""
+    """What the built-in backends share: no cached detection (:meth:`refresh`), not timed, no half-precision
+    attention; and the chunked-context kernels by kernel family (:mod:`fusion_pass.kernels.launchers`):
+    :meth:`attention_lse` runs ``lse_kernel`` (attention with its log-sum-exp), :meth:`merge_nvfp4`
+    ``merge_kernel`` (the NVFP4 merge). Subclasses set the two callables (as ``staticmethod``) and supply
+    ``run_varlen``."""
 
-    lse_kernel: str
-    merge_kernel: str
+    timed = False
+    half_attention: Callable[..., Tensor] | None = None
+    lse_kernel: Callable[..., tuple[Tensor, Tensor]]
+    merge_kernel: Callable[..., None]
+
+    def refresh(self) -> None:
+        """Nothing cached."""
 
     def attention_lse(self, q, k, v, cu_seqlens, max_seqlen, cu_seqlens_k, max_seqlen_k, softmax_scale, causal):
-        return launchers.attention_with_lse_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
-                                                   softmax_scale=softmax_scale, causal=causal, backend=self.lse_kernel)
+        return self.lse_kernel(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, cu_seqlens_k=cu_seqlens_k,
+                               max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
 
     def merge_nvfp4(self, out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start) -> None:
-        launchers.merge_nvfp4_rows(self.merge_kernel, out_a, lse_a, out_b, lse_b, output_scale, packed, scales,
-                                   row_start)
+        self.merge_kernel(out_a, lse_a, out_b, lse_b, output_scale, packed, scales, row_start)

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Callable
-
 import torch
 
 from fusion_pass.kernels import launchers
 from fusion_pass.kernels.fa4 import common as fa4_common
-from fusion_pass.kernels.fa4 import forward
-from fusion_pass.runtime import settings
+from fusion_pass.kernels.fa4 import forward, generations
 from fusion_pass.runtime.backends import canary
 from fusion_pass.runtime.backends.base import HALF_DTYPES, KernelBackend, check_device_dtype
 
@@ -42,38 +39,48 @@ def fa4_status() -> tuple[bool, str]:
         installed = importlib.util.find_spec("flash_attn") is not None
         return False, (f"no CUDA device (flash-attn-4 {'installed' if installed else 'not installed'}; not imported "
                        f"without one)")
-    module = "sm100_kernel" if arch // 10 in (10, 11) else "sm90_kernel"
-    ok, why = fa4_common.fa4_import_status(module)
+    generation = generations.for_arch(arch)
+    if generation is None:
+        known = ", ".join(g.label for g in generations.GENERATIONS)
+        return False, f"no kernel of this project for sm_{arch} (FA4 NVFP4 kernels: {known})"
+    ok, why = fa4_common.fa4_import_status(generation.kernel_module)
     if not ok:
         return False, why
-    generation = {9: "SM90", 10: "SM100", 11: "SM100"}.get(arch // 10)
-    if generation is None:
-        return False, f"no kernel of this project for sm_{arch} (FA4 NVFP4 kernels: SM90, SM100/SM110; {why})"
-    return True, f"FA4 {generation} forward with the fusion_pass NVFP4 output stage on sm_{arch} ({why})"
+    return True, f"FA4 {generation.label} forward with the fusion_pass NVFP4 output stage on sm_{arch} ({why})"
 
 
 class FA4Backend(KernelBackend):
-    """FlashAttention-4 with NVFP4 output (module docstring).
-
-    ``fused_kernel`` replaces :func:`fusion_pass.kernels.launchers.fa4_attention_nvfp4_varlen` (same
-    arguments) in :meth:`run_varlen`; tests inject a PyTorch stand-in, nothing else should."""
+    """FlashAttention-4 with NVFP4 output (module docstring)."""
 
     name = "fa4"
-    lse_kernel, merge_kernel = "fa4", "triton"  # FA4's own forward for partial attentions, the Triton NVFP4 merge
+    timed = True  # fusion-pass selftest times it against the unfused paths
+    lse_kernel = staticmethod(launchers.fa4_attention_with_lse_varlen)  # FA4's own forward for partial attentions
+    merge_kernel = staticmethod(launchers.triton_merge_nvfp4_rows)  # the Triton NVFP4 merge
+    half_attention = staticmethod(launchers.fa4_attention_half_varlen)  # FA4's forward in the query dtype
     handles_context = True  # keys context + new tokens (cu_seqlens_k), see run_prefills
+    handles_paged = True  # run_paged: FA4's paged forward with the NVFP4 output stage (page_table, seqused_k)
 
-    def __init__(self, fused_kernel: Callable[..., None] | None = None) -> None:
-        self._fused_kernel = fused_kernel
+    canary_generations = {f"{g.label} ({g.gpus})": forward.generation_head_dims(g.name)
+                          for g in generations.GENERATIONS}
+    """The ``(D, Dv)`` pairs whose canary ``fusion-pass selftest`` runs, per GPU generation (its plan)."""
 
     def available(self) -> tuple[bool, str]:
         return fa4_status()
 
+    def refresh(self) -> None:
+        """Forget the cached availability and device generations."""
+        fa4_status.cache_clear()
+        device_arch.cache_clear()
+
     def fast_on(self, device) -> tuple[bool, str]:
         arch = device_arch(torch.device(device).index) if torch.device(device).type == "cuda" else None
-        if arch is not None and arch // 10 == 9:
-            return True, "measured faster than cuDNN attention + quant at 7 of 9 shapes on the H200 (docs/benchmarks.md)"
-        if arch is not None and arch // 10 in (10, 11):
-            return True, "FA4's own kernel for this GPU generation (self-checked before its first use)"
+        generation = generations.for_arch(arch)
+        if generation is not None and generation.run_on_hardware:
+            return True, (f"the kernel built for {generation.label}, for the calls the measured policy fuses there "
+                          f"(others fall back as slower_here: fusion_pass.runtime.policy)")
+        if generation is not None:
+            return True, ("FA4's own kernel for this GPU generation (self-checked before its first use), for the calls "
+                          "the policy fuses there (not measured: fusion_pass.runtime.policy)")
         found = "no CUDA device" if arch is None else f"sm_{arch}"
         return False, f"no measurement or kernel of this project for {found}"
 
@@ -87,25 +94,33 @@ class FA4Backend(KernelBackend):
                    output_block_scale, *, cu_seqlens_k=None, max_seqlen_k=None) -> None:
         """:func:`fusion_pass.kernels.launchers.fa4_attention_nvfp4_varlen` (the kernel of the device's
         generation; it zeroes the scale buffer's padding itself)."""
-        kernel = self._fused_kernel or launchers.fa4_attention_nvfp4_varlen
-        kernel(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
-               output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale,
-               cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+        launchers.fa4_attention_nvfp4_varlen(
+            q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
+            output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+
+    def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+                  softmax_scale, output, output_scale, output_block_scale) -> None:
+        """:func:`fusion_pass.kernels.fa4.forward.fa4_attention_nvfp4_paged` (the device's generation)."""
+        forward.fa4_attention_nvfp4_paged(
+            q, k_cache, v_cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seqused_k=seqused_k,
+            page_table=page_table, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=True,
+            output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale)
 
     def self_check_needed(self, device) -> tuple[bool, str]:
-        """Whether the fused kernel must pass :meth:`canary` before it serves ``device``: always for a kernel
-        this project never ran on hardware (SM100/SM110), for SM90 only with the self-check setting ``all``;
-        never with ``off`` (:func:`fusion_pass.runtime.settings.self_check_mode`)."""
-        mode = settings.self_check_mode()
-        if mode == "off":
-            return False, "self-check off (FUSION_PASS_SELF_CHECK=off)"
+        """Whether the fused kernel must pass :meth:`canary` before it serves ``device`` by its own account: a
+        kernel this project never ran on hardware (SM100/SM110) must, the SM90 kernel need not. The self-check mode
+        (``off``, ``all``) applies on top (:func:`fusion_pass.runtime.self_check.required`)."""
         device = torch.device(device)
-        arch = device_arch(device.index) if device.type == "cuda" else None
-        if arch is not None and arch // 10 in (10, 11):
-            return True, "the SM100 kernel was compiled but never run on hardware by this project"
-        if mode == "all":
-            return True, "self-check of every fused kernel requested (FUSION_PASS_SELF_CHECK=all)"
-        return False, "the SM90 kernel is byte-checked on an H200 by this project's tests"
+        generation = generations.for_arch(device_arch(device.index) if device.type == "cuda" else None)
+        if generation is not None and not generation.run_on_hardware:
+            return True, f"the {generation.label} kernel was compiled but never run on hardware by this project"
+        label = generation.label if generation is not None else "SM90"
+        return False, f"the {label} kernel is byte-checked on an H200 by this project's tests"
+
+    def canary_head_dims(self, device) -> tuple[tuple[int, int], ...]:
+        """The ``(D, Dv)`` pairs of the kernels for ``device``'s generation (their canaries)."""
+        return tuple(forward.supported_head_dims(device))
 
     def canary(self, device, dtype, num_heads, qk_head_dim, v_head_dim, group: int = 1) -> tuple[bool, str]:
         """:func:`fusion_pass.runtime.backends.canary.run_canary` with the layer's dtype, head dims and query heads

@@ -20,8 +20,10 @@ class ReferenceBackend(KernelBackend):
     """
 
     name = "reference"
-    lse_kernel, merge_kernel = "reference", "reference"  # float32 attention per sequence and the reference merge
+    lse_kernel = staticmethod(launchers.reference_attention_with_lse_varlen)  # float32 attention per sequence
+    merge_kernel = staticmethod(launchers.reference_merge_nvfp4_rows)  # the reference merge
     handles_context = True
+    handles_paged = True  # run_paged: the keys gathered through the page table, then as run_varlen
     kv_dtype = torch.float32  # keys and values as the layer's runtime computes them: no rounding to q's dtype
 
     def available(self) -> tuple[bool, str]:
@@ -51,3 +53,12 @@ class ReferenceBackend(KernelBackend):
         packed, scales = nvfp4.byte_views(output, output_block_scale, t)
         launchers.quantize_rows(out32.reshape(b - a, -1), output_scale, packed, scales, a)
         nvfp4.zero_scale_padding(scales, t, packed.shape[1] * 2)
+
+    def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+                  softmax_scale, output, output_scale, output_block_scale) -> None:
+        """float32 attention over the keys gathered through the page table
+        (:func:`fusion_pass.kernels.launchers.reference_nvfp4_paged`), quantized into the sequences' rows."""
+        launchers.reference_nvfp4_paged(
+            q, k_cache, v_cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seqused_k=seqused_k,
+            page_table=page_table, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=True,
+            output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale)

@@ -1,10 +1,10 @@
-"""The fused backends in their selection order, and the choice of one for a layer.
+"""The choice of a fused backend for a layer, over the table of :mod:`.registry`.
 
-``auto`` takes the first backend of :data:`BACKEND_ORDER` that is available (detected once per process,
-:func:`refresh` detects again) and supports the layer's device, dtype and head dims; a configured choice
-(:mod:`fusion_pass.runtime.settings`) restricts the search to that backend. :func:`list_backends` lists every
-backend with its availability and reason (``fusion-pass backends`` prints it). A new backend is a new module
-beside :mod:`.fa4`, :mod:`.triton`, :mod:`.reference` and one entry of :data:`_BACKENDS`.
+``auto`` takes the first backend of :data:`BACKEND_ORDER` (the registry's order) that is available (detected once
+per process, :func:`refresh` detects again) and supports the layer's device, dtype and head dims; a configured
+choice (:mod:`fusion_pass.runtime.settings`) restricts the search to that backend. :func:`list_backends` lists
+every backend with its availability and reason (``fusion-pass backends`` prints it). A new backend is a new
+module beside :mod:`.fa4`, :mod:`.triton`, :mod:`.reference` and one line of :data:`.registry.BACKENDS`.
 """
 
 from __future__ import annotations
@@ -15,30 +15,18 @@ import torch
 
 from fusion_pass.nvfp4.checks import ArgumentError
 from fusion_pass.runtime import settings
-from fusion_pass.runtime.backends import fa4, triton
+from fusion_pass.runtime.backends import registry
 from fusion_pass.runtime.backends.base import Backend
-from fusion_pass.runtime.backends.fa4 import FA4Backend
-from fusion_pass.runtime.backends.reference import ReferenceBackend
-from fusion_pass.runtime.backends.triton import TritonBackend
 
 __all__ = ["BACKEND_ORDER", "get_backend", "list_backends", "refresh", "select_backend"]
 
-BACKEND_ORDER = ("fa4", "triton", "reference")
-"""Preference order used by ``auto``."""
-
-_BACKENDS: dict[str, Backend] = {
-    "fa4": FA4Backend(),
-    "triton": TritonBackend(),
-    "reference": ReferenceBackend(),
-}
+BACKEND_ORDER = registry.names()
+"""Preference order used by ``auto``: the registry's (:data:`.registry.BACKENDS`)."""
 
 
 def get_backend(name: str) -> Backend:
     """The backend object named ``name`` (one of :data:`BACKEND_ORDER`)."""
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown backend {name!r}; backends: {', '.join(BACKEND_ORDER)}") from None
+    return registry.get(name)
 
 
 def _device_argument(fn: str, device: Any) -> torch.device:
@@ -67,10 +55,10 @@ def list_backends(device: torch.device | str | None = None) -> list[dict[str, An
     :func:`default_device`) and why (:meth:`~fusion_pass.runtime.backends.base.Backend.fast_on`)."""
     device = default_device() if device is None else _device_argument("list_backends", device)
     result = []
-    for name in BACKEND_ORDER:
-        ok, reason = _BACKENDS[name].available()
-        fast, why = _BACKENDS[name].fast_on(device) if ok else (False, "unavailable")
-        result.append({"name": name, "available": ok, "reason": reason, "auto": fast, "auto_reason": why})
+    for backend in registry.BACKENDS:
+        ok, reason = backend.available()
+        fast, why = backend.fast_on(device) if ok else (False, "unavailable")
+        result.append({"name": backend.name, "available": ok, "reason": reason, "auto": fast, "auto_reason": why})
     return result
 
 
@@ -95,11 +83,10 @@ def select_backend(
     by ``"; "``.
     """
     choice = settings.configured_backend() if preferred is None else _preferred(preferred)
-    names = BACKEND_ORDER if choice == "auto" else (choice,)
+    candidates = registry.BACKENDS if choice == "auto" else (registry.get(choice),)
     device = torch.device(device)
     reasons = []
-    for name in names:
-        backend = _BACKENDS[name]
+    for backend in candidates:
         ok, why = backend.available()
         if ok:
             ok, unsupported = backend.supports(device, dtype, num_heads, qk_head_dim, v_head_dim)
@@ -109,15 +96,14 @@ def select_backend(
             if ok:
                 return backend, why
             why = unsupported
-        reasons.append(f"{name}: {why}")
+        reasons.append(f"{backend.name}: {why}")
     return None, "; ".join(reasons)
 
 
 def refresh() -> None:
-    """Forget the cached availability results; the next query detects again."""
-    fa4.fa4_status.cache_clear()
-    fa4.device_arch.cache_clear()
-    triton.triton_status.cache_clear()
+    """Forget the cached availability results; the next query detects again (:func:`.registry.refresh`)."""
+    registry.refresh()
+
 
 def _preferred(name: str) -> str:
     value = name.strip().lower() if isinstance(name, str) else name

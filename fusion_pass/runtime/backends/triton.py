@@ -63,11 +63,19 @@ class TritonBackend(KernelBackend):
     """
 
     name = "triton"
-    lse_kernel, merge_kernel = "triton", "triton"  # the Triton kernels for partial attentions and the NVFP4 merge
+    timed = True  # fusion-pass selftest times it against the unfused paths
+    lse_kernel = staticmethod(launchers.triton_attention_with_lse_varlen)  # the Triton kernel's partial attentions
+    merge_kernel = staticmethod(launchers.triton_merge_nvfp4_rows)  # the Triton NVFP4 merge
+    half_attention = staticmethod(launchers.triton_attention_half_varlen)  # the Triton kernel in the query dtype
     handles_context = True  # keys context + new tokens (cu_seqlens_k), see run_prefills
+    handles_paged = True  # run_paged: the Triton kernel reading keys and values through the page table
 
     def available(self) -> tuple[bool, str]:
         return triton_status()
+
+    def refresh(self) -> None:
+        """Forget the cached availability."""
+        triton_status.cache_clear()
 
     def fast_on(self, device) -> tuple[bool, str]:
         return False, ("measured at 0.67-0.82x of cuDNN attention + quant on the H200 (docs/benchmarks.md); "
@@ -87,3 +95,10 @@ class TritonBackend(KernelBackend):
             q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
             output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale,
             cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+
+    def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
+                  softmax_scale, output, output_scale, output_block_scale) -> None:
+        launchers.flash_attention_nvfp4_paged(
+            q, k_cache, v_cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seqused_k=seqused_k,
+            page_table=page_table, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=True,
+            output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale)

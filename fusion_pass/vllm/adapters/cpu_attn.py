@@ -140,6 +140,33 @@ class CpuAttnAdapter(PagedKVCache):
         return flat[b, heads, keys[offsets]], flat[b, heads, values[offsets]]
 
     @staticmethod
+    def one_call_refusal(layer, md) -> str | None:
+        if getattr(md, "dynamic_causal", None) is not None:
+            return "CPU_ATTN metadata with per-request causal masks (dynamic_causal)"
+        if getattr(md, "causal", True) is not True:
+            return "CPU_ATTN non-causal metadata"
+        return None
+
+    def page_views(self, layer, kv_cache, block_table, rows):
+        """vLLM's CPU kernels order a block's keys and values by ISA (:func:`probe_layout`), which no strided view
+        expresses: the blocks the step's requests use are read through the learned layout into pages ``[n, block_size,
+        num_kv_heads, head_size]`` (a copy; the CPU stand-in of the in-place views of FLASH_ATTN and FLASHINFER), and
+        the block table is renumbered to them (host tensors on the CPU)."""
+        size = self.block_size(kv_cache)
+        used = -(-torch.tensor([q + c for q, c in zip(rows.query_lens, rows.context_lens)], dtype=torch.long) // size)
+        table = block_table.long()
+        columns = torch.arange(table.shape[1])
+        mask = columns[None, :] < used[:, None]
+        blocks = torch.unique(table[mask]) if mask.any() else torch.zeros(1, dtype=torch.long)
+        renumber = torch.zeros(int(table.max().item()) + 1 if table.numel() else 1, dtype=torch.long)
+        renumber[blocks] = torch.arange(blocks.numel())
+        renumbered = torch.where(mask, renumber[table.clamp(min=0)], 0).to(torch.int32)
+        offsets = torch.arange(size)
+        keys, values = self.gather(layer, kv_cache, blocks.repeat_interleave(size), offsets.repeat(blocks.numel()))
+        shape = (blocks.numel(), size) + tuple(keys.shape[1:])
+        return keys.reshape(shape), values.reshape(shape), renumbered.to(block_table.device)
+
+    @staticmethod
     def decode_refusal(layer, md) -> str | None:
         if getattr(md, "dynamic_causal", None) is not None:
             return "CPU_ATTN metadata with per-request causal masks (dynamic_causal)"

@@ -50,6 +50,10 @@ class FlashAttnAdapter(PagedKVCache):
         return standard_rows(md, dcp_world_size)
 
     @staticmethod
+    def one_call_refusal(layer, md) -> str | None:
+        return FlashAttnAdapter.decode_refusal(layer, md)
+
+    @staticmethod
     def decode_refusal(layer, md) -> str | None:
         if getattr(md, "causal", True) is not True:
             return "FLASH_ATTN metadata with per-request causal masks"

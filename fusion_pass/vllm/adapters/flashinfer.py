@@ -167,6 +167,21 @@ class FlashInferAdapter(PagedKVCache):
                 return f"FLASHINFER {name}={dtype}: vLLM quantizes the query, the fused path reads it unquantized"
         return forward_refusal(type(layer.impl).forward)
 
+    @staticmethod
+    def one_call_refusal(layer, md) -> str | None:
+        if getattr(md, "use_cascade", False) or getattr(md, "cascade_wrapper", None) is not None:
+            return "FLASHINFER cascade attention (a shared prefix attended once for every request)"
+        if getattr(md, "causal", True) is not True:
+            return "FLASHINFER non-causal metadata"
+        decode = getattr(md, "decode", None)
+        if getattr(decode, "dcp_query_start_loc", None) is not None:
+            return "FLASHINFER decode metadata with decode context parallelism (dcp_query_start_loc)"
+        for name in ("q_data_type_decode", "q_data_type_prefill", "q_data_type"):
+            dtype = getattr(md, name, None)
+            if dtype is not None and dtype not in _HALF:
+                return f"FLASHINFER {name}={dtype}: vLLM quantizes the query, the fused path reads it unquantized"
+        return None
+
     def _decode_metadata(self, md, rows):
         """The call's metadata without its prefill part, once per step."""
         sub = rows.memo.get(self.NAME)

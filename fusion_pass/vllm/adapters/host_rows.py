@@ -30,12 +30,13 @@ import torch
 from fusion_pass.kernels.host_copy import to_device
 from fusion_pass.runtime import guard
 
-__all__ = ["StepRows", "attach", "block_table", "decode_only_tokens", "device_index", "install_build_hook", "mla_rows", "request_rows", "requests_index",
+__all__ = ["StepRows", "attach", "block_table", "seq_lens", "decode_only_tokens", "device_index", "install_build_hook", "mla_rows", "request_rows", "requests_index",
            "standard_rows"]
 
 _ROWS = "_fusion_pass_rows"   # the StepRows kept on a metadata object
 _HOST = "_fusion_pass_host"   # (query_start_loc, seq_lens) host lists kept by the build hook
 _BLOCK_TABLE = "_fusion_pass_block_table"  # the batch's block table, kept by the build hook where md has none
+_SEQ_LENS = "_fusion_pass_seq_lens"  # the batch's device sequence lengths, kept by the build hook where md has none
 
 
 class StepRows:
@@ -185,6 +186,9 @@ def attach(md, common) -> None:
         table = getattr(common, "block_table_tensor", None)
         if getattr(md, "block_table", None) is None and isinstance(table, torch.Tensor):
             setattr(md, _BLOCK_TABLE, table)
+        lens = getattr(common, "seq_lens", None)
+        if getattr(md, "seq_lens", None) is None and isinstance(lens, torch.Tensor):
+            setattr(md, _SEQ_LENS, lens)
     except AttributeError:
         pass
 
@@ -195,6 +199,14 @@ def block_table(md):
     metadata holds only per-phase slices or planned page lists), else None."""
     table = getattr(md, "block_table", None)
     return table if table is not None else getattr(md, _BLOCK_TABLE, None)
+
+
+def seq_lens(md):
+    """The batch's sequence lengths ``[num_reqs(+padding)]`` (int32, on the device: exact for every request, decode
+    requests included): the metadata's own ``seq_lens`` (FLASH_ATTN, CPU_ATTN), else the one the build hook kept
+    (``CommonAttentionMetadata.seq_lens``, :func:`attach`; FlashInfer), else None. Never read on the host."""
+    lens = getattr(md, "seq_lens", None)
+    return lens if lens is not None else getattr(md, _SEQ_LENS, None)
 
 
 @functools.lru_cache(maxsize=None)

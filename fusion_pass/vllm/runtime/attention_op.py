@@ -53,8 +53,6 @@ logger = logging.getLogger("vllm.fusion_pass")
 
 # (no ``from __future__ import annotations`` here: the op signatures are read by infer_schema)
 _lib = None  # the torch.library.Library holding the ops (their lifetime is the library's)
-run_fused = fused_rows.run_fused  # module attributes, so that tests and benchmarks can wrap them
-quant_op = fused_rows.quant_op
 
 _forward_context_module = None  # vllm.forward_context, imported at the first call
 
@@ -150,10 +148,11 @@ def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, 
             _log_path(name, decision)
     if decision.fused:  # the exact fallback calls vLLM's op, which runs the KV-connector hooks itself
         if _kv_transfer_utils().has_kv_transfer_group():
-            _with_kv_transfer()(name, lambda: run_fused(decision.backend, md, layer, kv_cache, inputs, output,
-                                                         output_scale, output_block_scale, extra))
+            _with_kv_transfer()(name, lambda: fused_rows.run_fused(decision, md, layer, kv_cache, inputs, output,
+                                                                    output_scale, output_block_scale, extra))
         else:  # what vLLM's hooks do without a KV connector: nothing
-            run_fused(decision.backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
+            fused_rows.run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
+                                 extra)
     else:
         _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step)
     counters.record(decision, name)
@@ -203,8 +202,8 @@ def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block
     vllm_op(*inputs, target, layer_name, None, None, *rest)
     # the attention op's output_scale is the global scale (the quant's input_scale); its output_block_scale is
     # the quant's output_scale (the block scales)
-    quant_op()(tmp, output_scale, True, output=output if len(shape) == 2 else output.view(shape[0], -1),
-               output_scale=output_block_scale)
+    packed = output if len(shape) == 2 else output.view(shape[0], -1)
+    fused_rows.quant_op()(tmp, output_scale, True, output=packed, output_scale=output_block_scale)
 
 
 def register() -> None:

@@ -23,17 +23,18 @@ from fusion_pass.vllm.runtime.nvfp4_rows import nvfp4_rows, quant_op, write_rows
 __all__ = ["quant_op", "run_fused"]
 
 
-def run_fused(backend_name: str, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
+def run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
               extra: dict | None = None) -> None:
-    """The fused backend on the call's prefill rows, the other rows as the unfused graph writes them, rows past the
-    batch's zeroed (MLA: :func:`_run_fused_mla`; standard layers: :func:`run_fused_standard`). ``extra``: the MLA
-    op's arguments its decode rows pass on to vLLM's ``forward_impl`` (0.34's ``mqa_q_prepared``)."""
-    backend = backends.get_backend(backend_name)
+    """The guard's fused ``decision`` (:class:`fusion_pass.runtime.guard.Decision`): its backend on the call's
+    prefill rows (on every row for a one-call decision), the other rows as the unfused graph writes them, rows past
+    the batch's zeroed (MLA: :func:`_run_fused_mla`; standard layers: :func:`run_fused_standard`). ``extra``: the
+    MLA op's arguments its decode rows pass on to vLLM's ``forward_impl`` (0.34's ``mqa_q_prepared``)."""
+    backend = backends.get_backend(decision.backend)
     if is_mla(layer):
         _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
     else:
         run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
-                           step_rows(md, layer))
+                           step_rows(md, layer), one_call=decision.one_call)
 
 
 def _cached_latents(block_table, kv_cache, context_lens: list[int], lo: int, hi: int):
@@ -69,7 +70,7 @@ def _expand(layer, latent, pe):
 
 def _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, first_row: int, context_lens: list[int]):
     """Keys and values of the prefill rows ``[first_row, n)``, expanded through ``kv_b_proj``, and their cached
-    context as :data:`fusion_pass.runtime.cache.ContextRows` (the paged latents of the rows asked for, expanded
+    context as :data:`fusion_pass.runtime.row_plan.ContextRows` (the paged latents of the rows asked for, expanded
     the same way: at most one context workspace is expanded at a time).
 
     Args:

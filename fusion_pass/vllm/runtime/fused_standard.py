@@ -1,5 +1,7 @@
-"""The fused call of a standard (non-MLA) vLLM attention layer: every prefill row by the fused backend, every decode
-row by vLLM's own backend on the decode requests alone, quantized by the unfused graph's quant op.
+"""The fused call of a standard (non-MLA) vLLM attention layer: every row in one fused launch over the paged KV cache
+(:func:`run_one_call`, where the guard decided so: ``Decision.one_call``), or every prefill row by the fused backend
+and every decode row by vLLM's own backend on the decode requests alone, quantized by the unfused graph's quant op
+(the split, below).
 
 Rows are the batch's in vLLM's request order (:class:`fusion_pass.vllm.adapters.host_rows.StepRows`; FLASH_ATTN and
 CPU_ATTN do not reorder decode requests first, so decode and prefill rows may interleave; FLASHINFER does):
@@ -29,15 +31,20 @@ from fusion_pass.vllm.adapters.registry import adapter_for
 from fusion_pass.vllm.adapters.host_rows import device_index, request_rows
 from fusion_pass.vllm.runtime.nvfp4_rows import copy_rows, nvfp4_rows, write_rows, zero_padding
 
-__all__ = ["run_fused_standard"]
+__all__ = ["run_fused_standard", "run_one_call"]
 
 
-def run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, rows) -> None:
+def run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, rows, *,
+                       one_call: bool = False) -> None:
     """A standard layer's call with at least one prefill row (module docstring); ``rows`` its
-    :class:`~fusion_pass.vllm.adapters.host_rows.StepRows`."""
+    :class:`~fusion_pass.vllm.adapters.host_rows.StepRows`; ``one_call``: every row in one launch of
+    ``backend.run_paged`` over the layer's paged cache (:func:`run_one_call`)."""
     adapter, name = adapter_for(layer)
     if adapter is None:  # the guard refuses such layers (no_decode_adapter)
         raise RuntimeError(f"run_fused_standard: vLLM attention backend {name} has no adapter")
+    if one_call:
+        run_one_call(backend, adapter, md, layer, kv_cache, inputs[0], output, output_scale, output_block_scale, rows)
+        return
     n = rows.num_tokens
     heads, kv_heads, d = layer.num_heads, layer.num_kv_heads, layer.head_size
     q = inputs[0][:n].reshape(n, heads, d)
@@ -67,4 +74,20 @@ def run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scal
         adapter.run_decode(layer, md, rows, (q, k, v), kv_cache, out)
         write_rows(out, output_scale, packed, scale_bytes,
                    request_rows(rows, rows.decode, q.device), output_block_scale.dtype)
+    zero_padding(packed, scale_bytes, n)
+
+
+def run_one_call(backend, adapter, md, layer, kv_cache, query, output, output_scale, output_block_scale, rows) -> None:
+    """Every row of the call, decode rows included, in one launch of ``backend.run_paged`` reading the keys and
+    values of every request from the layer's paged cache (vLLM's cache-update op wrote the call's new tokens into
+    it before the attention op, as for vLLM's own kernels): the call's query rows in vLLM's order, sequences
+    delimited by the step's ``query_start_loc``, each attending to its ``seq_len`` keys through its row of the block
+    table (``adapter.paged_inputs``). Rows past the batch's are zeroed."""
+    n = rows.num_tokens
+    heads, d = layer.num_heads, layer.head_size
+    q = query[:n].reshape(n, heads, d)
+    paged = adapter.paged_inputs(layer, md, rows, kv_cache, q.device)
+    packed, scale_bytes, scales = nvfp4_rows(output, output_block_scale, n)
+    backend.run_paged(q, paged.k_pages, paged.v_pages, paged.cu_seqlens, paged.max_query_len, paged.seq_lens,
+                      paged.block_table, paged.max_seq_len, float(layer.impl.scale), packed[:n], output_scale, scales)
     zero_padding(packed, scale_bytes, n)

@@ -14,13 +14,15 @@ exact fallback, which needs no decision: a graph replays for batches the capture
 What vLLM adds to the core's checks: no metadata (vLLM's profile and dummy runs, ``no_attention_metadata``), no
 host copy of the batch (``no_host_metadata``), capture (``cuda_graph_capture``), what the layer computes beyond
 plain causal attention (``layer_not_supported``), a standard layer's backend without an adapter
-(``no_decode_adapter:<BACKEND>``), a standard layer's call with decode and prefill rows while splitting is off
-(``mixed_not_split``, the default: :data:`fusion_pass.runtime.settings.SPLIT_MIXED_MODES`), and what an adapter
+(``no_decode_adapter:<BACKEND>``), a standard layer's call with decode and prefill rows that can be neither one
+fused launch over the paged cache (the adapter's ``paged_refusal``, or a backend without such a launch) nor split
+while splitting is off (``mixed_not_split``: :data:`fusion_pass.runtime.settings.SPLIT_MIXED_MODES`), and what an adapter
 cannot compute apart: decode rows (``decode_tokens``: an MLA ``forward_impl`` without the decode/prefill split, a
 standard backend's metadata the adapter cannot cut to its decode requests) and cached context
 (``chunked_prefill``: a cache the adapter cannot read).
 """
 
+import dataclasses
 import functools
 
 import torch
@@ -153,18 +155,28 @@ def _decide(layer_name, q, md, layer, kv_cache, info: LayerInfo, batch: guard.Ba
         return guard.Decision.fallback(
             f"no_decode_adapter:{info.backend}", f"vLLM attention backend {info.backend} has no adapter (its decode "
             f"rows and paged KV cache): adapters exist for {', '.join(registry.ADAPTERS)}", prefill, tokens)
-    if batch.decode_tokens and not adapter.SPLITS_MIXED and settings.split_mixed() == "off":
-        return guard.Decision.fallback(
-            "mixed_not_split", f"{batch.decode_tokens} decode token(s) beside {prefill} prefill token(s): fusing the "
-            f"prefill rows would split the call in two, which costs more than fusion saves ({settings.SPLIT_MIXED_ENV}"
-            f"=on splits it)", prefill, tokens)
+    paged_refusal = getattr(adapter, "paged_refusal", None)
+    one_call_refusal = (paged_refusal(layer, md, kv_cache) if paged_refusal is not None
+                        else f"the {adapter.NAME} adapter reads no paged cache") if batch.decode_tokens else "no decode row"
+    split_off = bool(batch.decode_tokens) and not adapter.SPLITS_MIXED and settings.split_mixed() == "off"
+    if split_off and one_call_refusal is not None:
+        return _mixed_not_split(batch, one_call_refusal)
     decode_refusal = adapter.decode_refusal(layer, md) if batch.decode_tokens else None
     context_refusal = adapter.context_refusal(layer, kv_cache) if with_context else None
     decision = guard.decide(batch, info.shape(q), decode_refusal=decode_refusal, context_refusal=context_refusal,
-                            allow_partial=False)
-    if decision.fused and with_context:  # the fused rows read the cached context from the paged cache
+                            allow_partial=False, one_call_refusal=one_call_refusal, split_free=adapter.SPLITS_MIXED)
+    if split_off and decision.fused and not decision.one_call:  # the backend has no paged launch: a split
+        return _mixed_not_split(batch, f"backend {decision.backend} has no launch over the paged cache")
+    if decision.fused and with_context and not decision.one_call:  # the fused rows read context from the cache
         detail = (f"{decision.detail}; {with_context} prefill(s) attend to {sum(batch.context_lens)} cached context "
                   f"token(s) read from the paged {'latent ' if info.mla else ''}cache")
-        decision = guard.Decision(decision.path, decision.reason, decision.backend, detail, decision.prefill_tokens,
-                                  decision.fused_tokens, decision.post_quantized)
+        decision = dataclasses.replace(decision, detail=detail)
     return decision
+
+
+def _mixed_not_split(batch, why_not_one_call: str) -> guard.Decision:
+    prefill = batch.prefill_tokens
+    return guard.Decision.fallback(
+        "mixed_not_split", f"{batch.decode_tokens} decode token(s) beside {prefill} prefill token(s): fusing the "
+        f"prefill rows would split the call in two, which costs more than fusion saves ({settings.SPLIT_MIXED_ENV}"
+        f"=on splits it); not one fused call: {why_not_one_call}", prefill, batch.num_tokens)

@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 
 from fusion_pass.nvfp4.checks import ArgumentError
-from fusion_pass.runtime.batch import BatchSpec
-from fusion_pass.runtime.cache import CachedLayer, ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
+from fusion_pass.runtime.engine.batch import BatchSpec
+from fusion_pass.runtime.engine.cache import (CachedLayer, RequestCache, packed_rows, positive_int,
+                                              positive_softmax_scale)
+from fusion_pass.runtime.row_plan import ContextRows
 from fusion_pass.kernels.reference import dense_attention
 
 __all__ = ["AttentionImpl"]
@@ -89,7 +91,7 @@ class AttentionImpl(CachedLayer):
         Returns ``q`` and ``k``, ``v`` in ``kv_dtype`` (default q's dtype: the kernels take one dtype; the
         reference backend asks for float32) with unit stride along the head dim (the kernels' layout; the
         runtime accepts any float inputs), and the prefills' cached context as
-        :data:`~fusion_pass.runtime.cache.ContextRows` (read as it was before this call).
+        :data:`~fusion_pass.runtime.row_plan.ContextRows` (read as it was before this call).
         """
         if spec.num_decode_tokens != 0:
             raise ValueError(f"prefill_qkv takes prefills only; got a {spec.kind!r} batch")

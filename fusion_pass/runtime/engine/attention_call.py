@@ -8,6 +8,8 @@ The op (:mod:`fusion_pass.ops.attention`) has checked every argument before call
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -54,11 +56,11 @@ def _write_output(out: Tensor, dtype: torch.dtype, output: Tensor, output_scale,
     launchers.quantize_into(flat, output_scale, packed, scales, swizzled=True)
 
 
-def _half_prefill_kernel(impl, q: Tensor, spec, inputs: tuple) -> str | None:
-    """The kernel backend (``"fa4"`` or ``"triton"``) that computes a pure-prefill batch's attention in
-    the query dtype on CUDA: the one the guard would pick for the fused call, so that the unfused path
-    and the fused one share their main loop. None: the layer's PyTorch runtime computes it (also when a
-    key/value input is in another dtype than q: the kernels would round it, the runtime does not)."""
+def _half_prefill_kernel(impl, q: Tensor, spec, inputs: tuple) -> Callable[..., Tensor] | None:
+    """The kernel that computes a pure-prefill batch's attention in the query dtype on CUDA: the
+    ``half_attention`` of the backend the guard would pick for the fused call, so that the unfused path and the
+    fused one share their main loop. None: the layer's PyTorch runtime computes it (a backend without one, or a
+    key/value input in another dtype than q: the kernels would round it, the runtime does not)."""
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and spec.num_decode_tokens == 0 and not spec.has_chunked_prefill):
         return None
@@ -67,9 +69,10 @@ def _half_prefill_kernel(impl, q: Tensor, spec, inputs: tuple) -> str | None:
         return None
     backend, _ = backends.select_backend(q.device, q.dtype, shape.num_heads, shape.qk_head_dim, shape.v_head_dim,
                                          fast_only=False)
-    if backend is None or backend.name not in ("fa4", "triton") or self_check.failed_check(backend.name):
+    kernel = None if backend is None else getattr(backend, "half_attention", None)
+    if kernel is None or self_check.failed_check(backend.name):
         return None  # a backend whose self-check failed computes nothing, not even the unfused attention
-    return backend.name
+    return kernel
 
 
 def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
@@ -79,12 +82,12 @@ def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
     forward or the Triton kernel; output in the query dtype, as a serving attention backend returns it);
     everything else runs the layer's PyTorch runtime (float32).
     """
-    name = _half_prefill_kernel(impl, q, spec, inputs)
-    if name is None:
+    kernel = _half_prefill_kernel(impl, q, spec, inputs)
+    if kernel is None:
         return impl.forward(*inputs, spec)
     q, k, v, _ = impl.prefill_qkv(*inputs, spec)
     cu_seqlens, max_seqlen = row_plan.varlen_meta(spec, q.device)
-    return launchers.attention_half_varlen(name, q, k, v, cu_seqlens, max_seqlen, impl.softmax_scale)
+    return kernel(q, k, v, cu_seqlens, max_seqlen, impl.softmax_scale)
 
 
 def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, layer_name: str | None = None) -> None:

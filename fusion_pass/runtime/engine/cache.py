@@ -1,4 +1,5 @@
-"""Per-request KV cache bookkeeping shared by the runtimes, and the context source of the row plan."""
+"""Per-request KV cache bookkeeping shared by the stand-in engine's runtimes (their context source is a
+:data:`fusion_pass.runtime.row_plan.ContextRows`)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,15 @@ import math
 import numbers
 import threading
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor
 
 from fusion_pass.nvfp4.checks import ArgumentError, check_int
-from fusion_pass.runtime.batch import BatchSpec, RequestSpec
+from fusion_pass.runtime.engine.batch import BatchSpec, RequestSpec
 
-__all__ = ["CachedLayer", "ContextRows", "RequestCache", "packed_rows", "positive_int", "positive_softmax_scale"]
+__all__ = ["CachedLayer", "RequestCache", "packed_rows", "positive_int", "positive_softmax_scale"]
 
 
 def positive_int(owner: str, name: str, value: int) -> int:
@@ -175,12 +176,6 @@ class RequestCache:
         """Put back a mapping :meth:`entries` returned."""
         with self._lock:
             self._entries = dict(entries)
-
-
-ContextRows = Callable[[int, int], "tuple[Tensor, Tensor]"]
-"""``rows(lo, hi) -> (k, v)``: rows ``[lo, hi)`` of the prefills' packed cached context as keys ``[hi - lo, Hk,
-Dqk]`` and values ``[hi - lo, Hk, Dv]`` in the query dtype, made on demand (MLA: the cached latents of those rows
-up-projected), so that at most one workspace's worth is ever materialized."""
 
 
 def packed_rows(pieces: list[Tensor], lo: int, hi: int) -> Tensor:

@@ -25,8 +25,10 @@ from __future__ import annotations
 import torch
 
 from fusion_pass.nvfp4.checks import ArgumentError
-from fusion_pass.runtime.batch import BatchSpec
-from fusion_pass.runtime.cache import CachedLayer, ContextRows, RequestCache, packed_rows, positive_int, positive_softmax_scale
+from fusion_pass.runtime.engine.batch import BatchSpec
+from fusion_pass.runtime.engine.cache import (CachedLayer, RequestCache, packed_rows, positive_int,
+                                              positive_softmax_scale)
+from fusion_pass.runtime.row_plan import ContextRows
 from fusion_pass.kernels.reference import dense_attention, merge_attention
 
 __all__ = ["MLAAttentionImpl"]
@@ -147,7 +149,7 @@ class MLAAttentionImpl(CachedLayer):
 
         Returns ``q [T, H, nope + rope]`` as given, ``k [T, H, nope + rope]`` and ``v [T, H, v]`` of the new
         tokens expanded through ``kv_b_proj`` (``k_pe`` broadcast to every head, as vLLM's MLA prefill does)
-        in ``kv_dtype`` (default q's dtype: the kernels take one dtype; the reference backend asks for float32), and the prefills' cached context as :data:`~fusion_pass.runtime.cache.ContextRows`
+        in ``kv_dtype`` (default q's dtype: the kernels take one dtype; the reference backend asks for float32), and the prefills' cached context as :data:`~fusion_pass.runtime.row_plan.ContextRows`
         (the cached latents of the rows asked for, expanded the same way; read as they were before this call).
         """
         if spec.num_decode_tokens != 0:

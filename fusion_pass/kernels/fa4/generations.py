@@ -1,0 +1,38 @@
+"""The GPU generations this project has FA4 NVFP4 kernels for: one table, read by the kernels' dispatch
+(:mod:`.forward`), the ``fa4`` backend (availability, self-check, ``auto``), the selftest's plan and the measured
+policy (:mod:`fusion_pass.runtime.policy`). A new generation is a module beside :mod:`.sm90` / :mod:`.sm100` and
+one row here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GENERATIONS", "Generation", "for_arch"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation: ``name`` (the policy's and the kernels' key, ``"sm90"``), ``label`` (``"SM90"``),
+    ``families`` (compute-capability majors it serves), ``gpus`` (what users know it by), ``kernel_module``
+    (the CuTe DSL subclass module that needs FA4) and ``run_on_hardware`` (this project ran and byte-checked the
+    kernel on such a GPU; if not, the kernel self-checks before its first use)."""
+
+    name: str
+    label: str
+    families: tuple[int, ...]
+    gpus: str
+    kernel_module: str
+    run_on_hardware: bool
+
+
+GENERATIONS: tuple[Generation, ...] = (
+    Generation("sm90", "SM90", (9,), "H100, H200", "sm90_kernel", True),
+    Generation("sm100", "SM100/SM110", (10, 11), "B200, GB200", "sm100_kernel", False),
+)
+
+
+def for_arch(arch: int | None) -> Generation | None:
+    """The generation of compute capability ``arch`` (``major * 10 + minor``), or None."""
+    if arch is None:
+        return None
+    return next((g for g in GENERATIONS if arch // 10 in g.families), None)
