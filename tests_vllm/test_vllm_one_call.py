@@ -142,3 +142,15 @@ def test_the_policy_refuses_a_class_measured_slower(monkeypatch):
             assert guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache).one_call
     _, inputs, md, kv_cache, _ = batch([(6, 3), (4, 0)])  # prefill rows alone: measured faster
     assert guard.decide("stand_in.attn", inputs[0], md, layer, kv_cache).path == "fused"
+
+
+def test_the_key_bound_never_exceeds_what_the_block_table_holds():
+    """vLLM's host sequence lengths are an upper bound for decode requests (async scheduling): the bound handed to
+    the paged launch is cut to the block table's capacity (the kernels read each length from ``seq_lens``)."""
+    layer, inputs, md, kv_cache, _ = batch([(1, 31), (6, 0)], 32)
+    rows = host_rows.standard_rows(md)
+    capacity = md.block_table.shape[1] * 32
+    paged = CPU.paged_inputs(layer, md, rows, kv_cache, torch.device("cpu"))
+    assert paged.max_seq_len == 32 <= capacity
+    stale = host_rows.StepRows([1, 6], [capacity + 40, 0])  # a decode request's host bound past its pages
+    assert CPU.paged_inputs(layer, md, stale, kv_cache, torch.device("cpu")).max_seq_len == capacity

@@ -95,6 +95,9 @@ class PagedKVCache:
             found = rows.memo[key] = (cu, max(rows.query_lens, default=0), lens, table, max_seq)
         cu, max_q, lens, table, max_seq = found
         k_pages, v_pages, table = self.page_views(layer, kv_cache, table, rows)
+        # the host bound may exceed a decode request's real length (vLLM's seq_lens_cpu_upper_bound), never what
+        # its block table row can hold: the kernels read the lengths from seq_lens and check the bound against it
+        max_seq = min(max_seq, table.shape[1] * k_pages.shape[1])
         return PagedInputs(k_pages, v_pages, cu, max_q, lens, table, max_seq)
 
     @staticmethod
