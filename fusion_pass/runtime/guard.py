@@ -6,8 +6,9 @@ description of the batch (:class:`BatchRows`) and of the layer (:class:`LayerSha
 builds them from its :class:`~fusion_pass.runtime.BatchSpec`, the vLLM adapter from vLLM's attention metadata;
 both get the same reasons (:data:`FALLBACK_REASONS`). The prefill rows run the fused backend
 (:func:`fusion_pass.runtime.backends.select_backend`) whenever one exists for the layer, also beside decode
-rows (a mixed batch; the vLLM adapter refuses that split for a standard layer unless asked,
-``mixed_not_split``) and, where the backend handles cached context, for chunked prefills. Decode rows, and
+rows (a mixed batch; a caller with a paged cache, vLLM's standard layers, hands the whole call, decode rows
+included, to one paged launch instead: ``Decision.one_call``) and, where the backend handles cached context, for
+chunked prefills; under ``auto`` only where the measured policy fuses the call's class (:mod:`.policy`). Decode rows, and
 every row of a call that cannot be fused, are computed as the unfused graph computes them and post-quantized
 into their rows of the same buffers: byte-identical to the unfused graph.
 

@@ -28,6 +28,11 @@ class BackendAdapter(Protocol):
             (MLA, FlashInfer): fusing the prefill rows of a mixed call then adds no launch, so such calls are fused
             whatever the split setting; a backend that attends every row in one launch (FLASH_ATTN, CPU_ATTN) has
             its mixed calls split only when asked (:func:`fusion_pass.runtime.settings.split_mixed`).
+
+    A standard backend's adapter also hands a whole call to one paged launch
+    (:class:`fusion_pass.vllm.adapters.paged.PagedKVCache`: ``paged_refusal(layer, md, kv_cache)`` says why not,
+    ``paged_inputs(layer, md, rows, kv_cache, device)`` gives the cache's pages, offsets, lengths and block table);
+    the guard prefers that launch to the split where the backend and the policy run it.
     """
 
     NAME: str
