@@ -244,7 +244,8 @@ class StepRunner:
     ``slab_rows`` is rounded up to whole pages of ``page_size`` rows; the regions the steps' layouts name must
     start on a page (:func:`plan_regions` with ``align=page_size``) for the paged variants."""
 
-    VARIANTS = ("unfused", "unfused_split", "fused", "fused_all", "unfused_paged", "fused_paged", "pass_on")
+    VARIANTS = ("unfused", "unfused_split", "fused", "fused_all", "unfused_paged", "fused_paged", "pass_on",
+                "paged_bf16")
 
     def __init__(self, kernels: Kernels, dims: AttnDims, layers: int, slab_rows: int, device, *, seed: int = 0,
                  page_size: int = DEFAULT_PAGE_SIZE):
@@ -321,6 +322,10 @@ class StepRunner:
                 out = attn_paged(q, k, v, **paged)
                 quant(out.view(t, n), self.gs, p, s)
 
+        def paged_bf16(bufs):  # FA4 bf16 paged alone: no quantizer (the fused paged kernel's floor); writes no bufs
+            for q, k, v in zip(qs, self.k_pages, self.v_pages):
+                attn_paged(q, k, v, **paged)
+
         def fused_paged_all(bufs):
             for q, k, v, (p, s) in zip(qs, self.k_pages, self.v_pages, bufs):
                 fused_paged(q, k, v, **paged, output=p, output_scale=self.gs, output_block_scale=s)
@@ -363,7 +368,7 @@ class StepRunner:
                           max_seqlen_k=max(klens[d:]))
 
         bodies = {"unfused": unfused, "unfused_split": unfused_split, "fused": split, "fused_all": fused_all,
-                  "unfused_paged": unfused_paged, "fused_paged": fused_paged_all}
+                  "unfused_paged": unfused_paged, "fused_paged": fused_paged_all, "paged_bf16": paged_bf16}
         bodies["pass_on"] = bodies[choice["variant"]]  # the chosen variant's calls, into pass_on's own buffers
         return {name: _bound(name, bodies[name], outs[name]) for name in self.VARIANTS}
 

@@ -231,9 +231,10 @@ RATIOS = (  # (key in the "timing" entry, baseline, fused variant, label): per-s
     ("split", "unfused_split", "fused", "unfused (split like the runtime) / fused (runtime)"),
     ("paged", "unfused_paged", "fused_paged", "unfused (one paged call) / fused_paged"),
     ("pass_on", "unfused_paged", "pass_on", "unfused (one paged call) / pass_on"),
+    ("paged_alone", "paged_bf16", "fused_paged", "FA4 bf16 paged alone (no quant) / fused_paged"),
 )
 SPEEDUP_KEYS = {"fused": "speedup", "fused_all": "speedup_all", "split": "speedup_split", "paged": "speedup_paged",
-                "pass_on": "speedup_pass_on"}  # per-step entry of each ratio
+                "pass_on": "speedup_pass_on", "paged_alone": "speedup_paged_alone"}  # per-step entry of each ratio
 PAIR_WHAT = {"fused_all==unfused": "the same one call", "fused==unfused_split": "the same sub-batch calls",
              "fused_paged==unfused_paged": "the same one paged call",
              "fused==unfused": "other calls: informational",
@@ -268,6 +269,7 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
                  "ceiling_saving_ms": every_row,
                  "ceiling_saving_split_ms": steps_mod.split_ceiling_ms(layout, dims, layers, launch_us=launch_us),
                  "ceiling_saving_pass_on_ms": every_row if choice["fused"] else 0.0,
+                 "no_saving_ms": 0.0,  # paged_alone: the fused call against a baseline that writes no quant
                  "bytes_equal": measured["bytes_equal"], "eager_instead": measured["eager_instead"]}
         for key, base, variant, _ in RATIOS:
             entry[SPEEDUP_KEYS[key]] = ms[base] / ms[variant]
@@ -277,7 +279,7 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
         if progress and (n % 25 == 0 or n == len(busy)):
             print(f"  timed {n}/{len(busy)} busy steps", flush=True)
     savings = {"fused": "ceiling_saving_ms", "fused_all": "ceiling_saving_ms", "split": "ceiling_saving_split_ms",
-               "paged": "ceiling_saving_ms", "pass_on": "ceiling_saving_pass_on_ms"}
+               "paged": "ceiling_saving_ms", "pass_on": "ceiling_saving_pass_on_ms", "paged_alone": "no_saving_ms"}
     ratios = {}
     for key, base, variant, label in RATIOS:
         stats = steps_mod.ratio_summary([t[f"{base}_ms"] for t in per_step], [t[f"{variant}_ms"] for t in per_step],
