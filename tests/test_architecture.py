@@ -13,6 +13,11 @@ PACKAGES = {"fusion_pass": ROOT / "fusion_pass", "fusion_pass.patterns": ROOT / 
 # (importing part, parts it must never import): docs/architecture.md, "Directions that must never appear"
 FORBIDDEN = [
     ("fusion_pass.nvfp4", ("fusion_pass.kernels", "fusion_pass.runtime", "fusion_pass.ops", "fusion_pass.compile")),
+    ("fusion_pass.fp8", ("fusion_pass.kernels", "fusion_pass.runtime", "fusion_pass.ops", "fusion_pass.compile",
+                         "fusion_pass.formats")),
+    # the format axis describes formats from their byte packages alone: every layer above may read it
+    ("fusion_pass.formats", ("fusion_pass.kernels", "fusion_pass.runtime", "fusion_pass.ops", "fusion_pass.compile",
+                             "fusion_pass.vllm", "fusion_pass.demo")),
     ("fusion_pass.kernels", ("fusion_pass.runtime", "fusion_pass.ops", "fusion_pass.compile", "fusion_pass.vllm")),
     ("fusion_pass.runtime", ("fusion_pass.ops", "fusion_pass.compile", "fusion_pass.vllm", "fusion_pass.demo")),
     ("fusion_pass.runtime.backends", ("fusion_pass.runtime.guard", "fusion_pass.runtime.row_plan",
