@@ -110,5 +110,5 @@ def fusion_pass_vocabulary() -> OpVocabulary:
         nvfp4_quant=ops.scaled_fp4_quant.out,
         nvfp4_gemms=(GemmForm("fusion_pass::nvfp4_gemm", ops.nvfp4_gemm.default, "a", "block_scale_a",
                               emitted_by=("fusion_pass.demo.layers.NVFP4Linear",)),),
-        other_quants=(ops.static_scaled_fp8_quant.default,),
+        other_quants=(ops.static_scaled_fp8_quant.default, ops.per_token_group_fp8_quant.default),
     )

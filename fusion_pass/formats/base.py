@@ -90,8 +90,10 @@ class OutputFormat:
 
 @dataclass(frozen=True)
 class RefusedFormat:
-    """A quant form the pass sees in graphs but never fuses: ``name``, the op form, and the reason."""
+    """A quant form the pass sees in graphs but never fuses: ``name`` (the refusal reason a match reports),
+    ``op`` (vLLM's ``(namespace, name, overload)``), its call ``form`` and why it is refused (``reason``)."""
 
     name: str
+    op: tuple[str, str, str]
     form: str
     reason: str

@@ -53,11 +53,11 @@ FP8_GROUP128_UE8M0 = _group_format("fp8_group128_ue8m0", ue8m0=True)
 """As :data:`FP8_GROUP128` with each scale rounded up to a power of two (DeepGEMM's UE8M0 scales, as float32)."""
 
 REFUSED = (
-    RefusedFormat("fp8_dynamic_per_token", "_C::dynamic_per_token_scaled_fp8_quant(result, input, scale, scale_ub)",
+    RefusedFormat("fp8_dynamic_per_token", ("_C", "dynamic_per_token_scaled_fp8_quant", "default"), "_C::dynamic_per_token_scaled_fp8_quant(result, input, scale, scale_ub)",
                   "fp8 per-token dynamic scales take the max over every head of a row; a per-head attention tile "
                   "cannot know it before the row's other heads are done"),
-    RefusedFormat("fp8_dynamic_per_tensor", "_C::dynamic_scaled_fp8_quant(result, input, scale)",
+    RefusedFormat("fp8_dynamic_per_tensor", ("_C", "dynamic_scaled_fp8_quant", "default"), "_C::dynamic_scaled_fp8_quant(result, input, scale)",
                   "fp8 dynamic per-tensor scales take the max over the whole output, known only after every tile"),
-    RefusedFormat("fp8_group128_packed", "_C::per_token_group_fp8_quant_packed(input, output_q, output_s_packed, ...)",
+    RefusedFormat("fp8_group_scales_packed", ("_C", "per_token_group_fp8_quant_packed", "default"), "_C::per_token_group_fp8_quant_packed(input, output_q, output_s_packed, ...)",
                   "fp8 groups with int32-packed UE8M0 scales (DeepGEMM on SM100) are not written by the fused call"),
 )

@@ -29,7 +29,12 @@ SCHEMAS = {
         "ScalarType out_dtype) -> Tensor"
     ),
     "static_scaled_fp8_quant": (
-        "static_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor scale) -> ()"
+        "static_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor scale, int[]? group_shape=None) -> ()"
+    ),
+    "per_token_group_fp8_quant": (
+        "per_token_group_fp8_quant(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, "
+        "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, bool dummy_is_scale_transposed, "
+        "bool dummy_is_tma_aligned) -> ()"
     ),
     "attention_with_output": (
         "attention_with_output(Tensor q, Tensor k, Tensor v, Tensor(a!) output, str layer_name, "

@@ -1,5 +1,6 @@
-"""The NVFP4 quant ops: ``scaled_fp4_quant.out`` (and its allocating wrapper :func:`scaled_fp4_quant`) and the
-per-tensor FP8 ``static_scaled_fp8_quant`` (another output format: the pass refuses attention feeding it)."""
+"""The quant ops: NVFP4's ``scaled_fp4_quant.out`` (and its allocating wrapper :func:`scaled_fp4_quant`), and FP8's
+``static_scaled_fp8_quant`` (per tensor) and ``per_token_group_fp8_quant`` (128-column groups), with vLLM's
+schemas and bytes (docs/formats.md); the pass refuses attention feeding the FP8 ones (not fused yet)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import math
 import torch
 from torch import Tensor
 
-from fusion_pass import nvfp4
+from fusion_pass import fp8, nvfp4
+from fusion_pass.fp8.checks import check_group_x, check_scale
 from fusion_pass.kernels import launchers
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.nvfp4.checks import check_global_scale
@@ -133,21 +135,52 @@ def scaled_fp4_quant(input: Tensor, input_global_scale: Tensor, is_sf_swizzled_l
 
 
 @impl("static_scaled_fp8_quant")
-def _static_scaled_fp8_quant(result: Tensor, input: Tensor, scale: Tensor) -> None:
-    """Per-tensor FP8 (e4m3) quant, as vLLM's ``_C::static_scaled_fp8_quant``: ``result = fp8(input / scale)``.
-
-    Another output format: the pass refuses attention whose output feeds it.
-    """
+def _static_scaled_fp8_quant(result: Tensor, input: Tensor, scale: Tensor, group_shape=None) -> None:
+    """Per-tensor FP8 (e4m3), vLLM's ``_C::static_scaled_fp8_quant`` bytes: ``result = fp8(clamp(input * (1 /
+    scale), -448, 448))``, a NaN +448 (docs/formats.md). ``group_shape``: None or ``[-1, -1]`` (per tensor)."""
+    op = "static_scaled_fp8_quant"
+    if group_shape is not None and list(group_shape) != [-1, -1]:
+        raise ArgumentError(f"{op}: group_shape must be None or [-1, -1] (per tensor), got {list(group_shape)}")
     if result.dtype != torch.float8_e4m3fn or result.shape != input.shape:
         raise ArgumentError(
-            f"static_scaled_fp8_quant: result must be float8_e4m3fn of the input's shape {list(input.shape)}, "
+            f"{op}: result must be float8_e4m3fn of the input's shape {list(input.shape)}, "
             f"got {result.dtype} {list(result.shape)}"
         )
-    q = (input.float() / scale.float()).clamp(-nvfp4.E4M3_MAX, nvfp4.E4M3_MAX)
-    result.copy_(q.to(torch.float8_e4m3fn))
+    check_scale(op, scale, input.device)
+    result.copy_(fp8.quantize_static(input, fp8.reciprocal(scale)))
 
 
 @fake("static_scaled_fp8_quant")
-def _static_scaled_fp8_quant_fake(result, input, scale) -> None:
+def _static_scaled_fp8_quant_fake(result, input, scale, group_shape=None) -> None:
     return None
 
+
+@impl("per_token_group_fp8_quant")
+def _per_token_group_fp8_quant(input: Tensor, output_q: Tensor, output_s: Tensor, group_size: int, eps: float,
+                               fp8_min: float, fp8_max: float, scale_ue8m0: bool, dummy_is_scale_transposed: bool,
+                               dummy_is_tma_aligned: bool) -> None:
+    """Dynamic per-token-group FP8, vLLM 0.33/0.34's ``_C::per_token_group_fp8_quant`` bytes: ``output_q`` the
+    e4m3 codes of ``input [M, N]``, ``output_s`` float32 ``[M, N / group_size]`` in any of vLLM's layouts (its
+    strides say which; the two ``dummy`` flags are ignored, as vLLM's kernel ignores them). ``fp8_min`` /
+    ``fp8_max`` must be -448 / 448."""
+    op = "per_token_group_fp8_quant"
+    if (fp8_min, fp8_max) != (-fp8.E4M3_MAX, fp8.E4M3_MAX):
+        raise ArgumentError(f"{op}: fp8_min / fp8_max must be -448 / 448 (e4m3), got {fp8_min} / {fp8_max}")
+    check_group_x(op, input, group_size)
+    if input.dim() != 2:
+        raise ArgumentError(f"{op}: input must be 2-D [M, N], got shape {list(input.shape)}")
+    if output_q.dtype != torch.float8_e4m3fn or output_q.shape != input.shape:
+        raise ArgumentError(f"{op}: output_q must be float8_e4m3fn of the input's shape {list(input.shape)}, "
+                            f"got {output_q.dtype} {list(output_q.shape)}")
+    want = [input.shape[0], input.shape[1] // group_size]
+    if output_s.dtype != torch.float32 or list(output_s.shape) != want:
+        raise ArgumentError(f"{op}: output_s must be float32 {want}, got {output_s.dtype} {list(output_s.shape)}")
+    q, scales = fp8.quantize_group(input, group_size=group_size, ue8m0=scale_ue8m0, eps=eps)
+    output_q.copy_(q)
+    output_s.copy_(scales)
+
+
+@fake("per_token_group_fp8_quant")
+def _per_token_group_fp8_quant_fake(input, output_q, output_s, group_size, eps, fp8_min, fp8_max, scale_ue8m0,
+                                    dummy_is_scale_transposed, dummy_is_tma_aligned) -> None:
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from fusion_pass import formats
 from fusion_pass.patterns.vocabulary import GemmForm, OpVocabulary
 
 __all__ = ["VLLM_GEMM_FORMS", "vllm_gemm_forms", "vllm_vocabulary"]
@@ -41,9 +42,11 @@ VLLM_GEMM_FORMS = (
 (docs/vllm.md, "NVFP4 GEMM forms"; each checked in the releases' wheels by tests_vllm_conformance). The weight-only kernels (Marlin, Humming, the W4A16 ones) and the
 emulation kernel quantize no activation with it and have no form."""
 
-_REFUSED_QUANTS = (("vllm", "flashinfer_nvfp4_quantize", "default", "gemm_scale_layout_8x4"),)
-"""NVFP4 quant ops writing a layout the fused call does not: FlashInfer's 8x4-scale quant, which
-``scaled_fp4_quant`` calls for the TRT-LLM GEMM at m <= 32."""
+_REFUSED_QUANTS = (("vllm", "flashinfer_nvfp4_quantize", "default", "gemm_scale_layout_8x4"),
+                   *((*f.op, f.name) for f in formats.REFUSED))
+"""Quant ops writing what the fused call does not: FlashInfer's 8x4-scale NVFP4 quant, which ``scaled_fp4_quant``
+calls for the TRT-LLM GEMM at m <= 32, and the FP8 forms :data:`fusion_pass.formats.REFUSED` lists (dynamic
+per-token and per-tensor scales, packed UE8M0 group scales), each refused under its name."""
 
 
 def _maybe(namespace: str, name: str, overload: str):
@@ -108,6 +111,7 @@ def vllm_vocabulary() -> OpVocabulary | None:
         nvfp4_quant=c_quant if c_quant is not None else own_vocab.nvfp4_quant,
         nvfp4_gemms=own_vocab.nvfp4_gemms + vllm_gemm_forms(),
         other_quants=tuple(op for op in (_maybe("_C", "static_scaled_fp8_quant", "default"),
+                                         _maybe("_C", "per_token_group_fp8_quant", "default"),
                                          *own_vocab.other_quants) if op is not None),
         refused_quants=tuple((op, reason) for op, reason in ((_maybe(*q[:3]), q[3]) for q in _REFUSED_QUANTS)
                              if op is not None),
