@@ -57,6 +57,13 @@ QUANT_OUT_ARGS = ("Tensor input, Tensor input_scale, bool is_sf_swizzled_layout,
 fallback calls either as ``quant(values, global_scale, True, output=..., output_scale=...)``, and the matcher reads
 its ``input``, ``input_scale``, ``is_sf_swizzled_layout``, ``output`` and ``output_scale``."""
 
+STATIC_FP8_ARGS = "Tensor! result, Tensor input, Tensor scale, int[]? group_shape=None"
+"""``fusion_pass::static_scaled_fp8_quant`` mirrors vLLM's (docs/formats.md)."""
+
+GROUP_FP8_ARGS = ("Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, float eps, float fp8_min, "
+                  "float fp8_max, bool scale_ue8m0, bool dummy_is_scale_transposed, bool dummy_is_tma_aligned")
+"""``fusion_pass::per_token_group_fp8_quant`` mirrors vLLM's."""
+
 SCHEDULER_KEYWORDS = ("num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype", "query_start_loc",
                       "causal", "sliding_window_size", "isa", "enable_kv_split", "kv_cache_dtype")
 """The keywords ``fusion_pass/vllm/adapters/cpu_attn.py`` (and ``tests_vllm/standard_batches.py``) pass to
@@ -158,6 +165,9 @@ ENTRIES = (
 
     # fusion_pass/vllm/runtime/nvfp4_rows.py, compile/vocabulary.py: the quant the unfused graph calls
     OpSchema("_C::scaled_fp4_quant.out", args=QUANT_OUT_ARGS),
+    # fusion_pass/ops/library.py, formats/fp8.py, vllm/compile/vocabulary.py: the FP8 quants (docs/formats.md)
+    OpSchema("_C::static_scaled_fp8_quant", args=STATIC_FP8_ARGS),
+    OpSchema("_C::per_token_group_fp8_quant", args=GROUP_FP8_ARGS),
 
     # fusion_pass/vllm/adapters/layer.py: what a layer computes, its dims
     Attribute(ATTENTION, "num_heads"),

@@ -58,6 +58,13 @@ def test_quant_schema_is_the_projects():
     assert render(parse(names.QUANT_OUT_ARGS)) == render(parse(schema))
 
 
+@pytest.mark.parametrize("name, args", [("static_scaled_fp8_quant", "STATIC_FP8_ARGS"),
+                                        ("per_token_group_fp8_quant", "GROUP_FP8_ARGS")])
+def test_fp8_quant_schemas_are_the_projects(name, args):
+    schema = project.constant("fusion_pass/ops/library.py", "SCHEMAS")[name]
+    assert render(parse(getattr(names, args))) == render(parse(schema))
+
+
 def _by_name(kind):
     return {e.name: e for e in names.ENTRIES if isinstance(e, kind)}
 

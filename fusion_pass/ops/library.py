@@ -29,7 +29,7 @@ SCHEMAS = {
         "ScalarType out_dtype) -> Tensor"
     ),
     "static_scaled_fp8_quant": (
-        "static_scaled_fp8_quant(Tensor(a!) result, Tensor input, Tensor scale, int[]? group_shape=None) -> ()"
+        "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, int[]? group_shape=None) -> ()"
     ),
     "per_token_group_fp8_quant": (
         "per_token_group_fp8_quant(Tensor input, Tensor(a!) output_q, Tensor(b!) output_s, int group_size, "
