@@ -12,7 +12,9 @@ quantization and the NVFP4 attention-state merge. Every argument is checked befo
 * :func:`quantize_rows_into`: the same quantizer writing ``M`` rows at a row
   offset into the buffers of a ``T``-row matrix, touching no other byte
   (:func:`fusion_pass.nvfp4.zero_scale_padding` clears the padding rows' scales once all rows are written);
-* :func:`merge_attention_nvfp4`: two partial attentions merged by log-sum-exp, written as NVFP4 rows.
+* :func:`merge_attention_nvfp4`: two partial attentions merged by log-sum-exp, written as NVFP4 rows;
+* FP8 output (:mod:`.api_fp8`): :func:`~fusion_pass.kernels.api_fp8.attention_fp8_static`,
+  :func:`~fusion_pass.kernels.api_fp8.attention_fp8_group`.
 
 The run time's backends call the same kernels unvalidated through :mod:`fusion_pass.kernels.launchers`.
 
@@ -208,8 +210,10 @@ def attention_with_lse(
 
 
 def check_attention(fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, backend, cu_seqlens_k,
-                    max_seqlen_k, *, global_scale=None, validate_values="device") -> tuple[str, float, int | None]:
-    """Every check of the attention entry points (``global_scale`` too when given); returns
+                    max_seqlen_k, *, global_scale=None, validate_values="device", format_checks=None,
+                    chooser=choose) -> tuple[str, float, int | None]:
+    """Every check of the attention entry points (``global_scale`` too when given; ``format_checks()``, an
+    output format's own arguments, before the backend's availability; ``chooser`` picks the backend); returns
     ``(backend, softmax scale, max_seqlen_k)``. Shapes, dtypes, devices and host values first; then the values
     of the tensors as ``validate_values`` says (read back, or asserted on their device: last, so that any
     host-side mistake is reported before a kernel runs)."""
@@ -223,7 +227,9 @@ def check_attention(fn, q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, 
     if global_scale is not None:
         check_global_scale(fn, global_scale, q.device, check_value=False)
         check_scale_value(fn, global_scale, validate_values)  # the caller's values before the backend's availability
-    chosen = choose(fn, backend, q, v)
+    if format_checks is not None:
+        format_checks()
+    chosen = chooser(fn, backend, q, v)
     if global_scale is not None:  # NVFP4 output
         h, dv = q.shape[1], v.shape[2]
         if chosen != "reference" and dv % nvfp4.BLOCK_SIZE != 0:

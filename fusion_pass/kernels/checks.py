@@ -16,7 +16,8 @@ import math
 import torch
 from torch import Tensor
 
-from fusion_pass import nvfp4
+from fusion_pass import fp8, nvfp4
+from fusion_pass.fp8.checks import check_scale
 from fusion_pass.kernels.host_copy import to_device
 from fusion_pass.nvfp4.checks import (
     ArgumentError,
@@ -324,3 +325,74 @@ def check_lses(fn: str, lse_a, lse_b, out_a: Tensor) -> None:
 def check_destination(fn: str, packed, scales, row_start, out_a: Tensor) -> None:
     m, h, dv = out_a.shape
     check_row_range(fn, packed, scales, row_start, m, h * dv, out_a.device, source="out_a", width="H*Dv")
+
+
+# ---------------------------------------------------------------------------
+# FP8 output (docs/formats.md): the attention entry points' output arguments
+# ---------------------------------------------------------------------------
+
+STATIC_NAN_RULES = (fp8.NaNRule.POSITIVE_MAX, fp8.NaNRule.NAN)
+
+
+def check_bool(fn: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ArgumentError(f"{fn}: {name} must be a bool, got {value!r}")
+
+
+def check_static_nan(fn: str, nan) -> fp8.NaNRule:
+    """``nan``: ``"positive_max"`` (vLLM's CUDA op: NaN -> +448) or ``"nan"`` (the native form: NaN stays NaN), or
+    the :class:`fusion_pass.fp8.NaNRule` of that value; returns the rule."""
+    rule = next((r for r in STATIC_NAN_RULES if nan is r or (isinstance(nan, str) and nan == r.value)), None)
+    if rule is None:
+        raise ArgumentError(f"{fn}: nan must be \"positive_max\" or \"nan\" (or fusion_pass.fp8.NaNRule.POSITIVE_MAX "
+                            f"/ NAN), got {nan!r}")
+    return rule
+
+
+def check_fp8_output(fn: str, output, t: int, width: int, device: torch.device) -> None:
+    """``output``: None or a float8_e4m3fn ``[T, H*Dv]`` tensor on ``device``, unit stride along its columns, rows
+    not overlapping."""
+    if output is None:
+        return
+    check_tensor(fn, "output", output)
+    if output.dtype != fp8.FP8 or tuple(output.shape) != (t, width):
+        raise ArgumentError(f"{fn}: output must be float8_e4m3fn [T, H*Dv] = [{t}, {width}], got {describe(output)}")
+    if output.device != device:
+        raise ArgumentError(f"{fn}: output must be on q's device {device}, got {output.device}")
+    if (width > 1 and output.stride(1) != 1) or (t > 1 and output.stride(0) < width):
+        raise ArgumentError(f"{fn}: output must have unit stride along its columns and rows at least H*Dv={width} "
+                            f"apart, got strides {output.stride()}")
+
+
+def check_fp8_static(fn: str, q: Tensor, v: Tensor, scale, scale_is_inverse, output) -> None:
+    """The static FP8 call's own arguments: ``scale`` a one-element float32 tensor on q's device (its value not
+    read: a scale of 0 has the format's meaning, docs/formats.md), ``scale_is_inverse`` a bool, ``output``."""
+    check_scale(fn, scale, q.device, name="scale")
+    check_bool(fn, "scale_is_inverse", scale_is_inverse)
+    check_fp8_output(fn, output, q.shape[0], q.shape[1] * v.shape[2], q.device)
+
+
+def check_fp8_group(fn: str, q: Tensor, v: Tensor, ue8m0, divide, output, scales) -> None:
+    """The group FP8 call's own arguments: ``H*Dv`` divisible by 128 (whole groups; the fused kernel needs
+    ``Dv % 128 == 0``, :func:`fusion_pass.kernels.choice.choose_fp8`), ``ue8m0`` / ``divide`` bools, ``output``,
+    ``scales`` None or float32 ``[T, H*Dv/128]`` on q's device in one of the :class:`fusion_pass.fp8.ScaleLayout`
+    (row-major, column-major, TMA-aligned column-major)."""
+    t, h, dv = q.shape[0], q.shape[1], v.shape[2]
+    if (h * dv) % fp8.GROUP_SIZE:
+        raise ArgumentError(f"{fn}: H * Dv must be divisible by {fp8.GROUP_SIZE} (whole 128-column groups), got "
+                            f"{h} * {dv} = {h * dv}")
+    check_bool(fn, "ue8m0", ue8m0)
+    check_bool(fn, "divide", divide)
+    check_fp8_output(fn, output, t, h * dv, q.device)
+    if scales is None:
+        return
+    check_tensor(fn, "scales", scales)
+    want = list(fp8.group_scale_shape(t, h * dv))
+    if scales.dtype != torch.float32 or list(scales.shape) != want:
+        raise ArgumentError(f"{fn}: scales must be float32 [T, H*Dv/128] = {want}, got {describe(scales)}")
+    if scales.device != q.device:
+        raise ArgumentError(f"{fn}: scales must be on q's device {q.device}, got {scales.device}")
+    if fp8.ScaleLayout.of(scales) is None:
+        layouts = ", ".join(f"{layout.value} {layout.strides(*want)}" for layout in fp8.ScaleLayout)
+        raise ArgumentError(f"{fn}: scales must be in one of the layouts (strides) {layouts}, got strides "
+                            f"{scales.stride()}")

@@ -13,7 +13,7 @@ import os
 from torch import Tensor
 import torch
 
-from fusion_pass import nvfp4
+from fusion_pass import fp8, nvfp4
 from fusion_pass.kernels.fa4.forward import fa4_usable as fa4_layer_usable
 from fusion_pass.nvfp4 import ArgumentError
 
@@ -104,4 +104,24 @@ def choose_merge(fn: str, backend, out_a: Tensor) -> str:
     chosen = triton_or_reference(fn, backend, out_a.device, fits=dv_ok)
     if chosen == "triton" and not dv_ok:
         raise ArgumentError(f"{fn}: backend 'triton' needs Dv divisible by 16, got out_a {list(out_a.shape)}")
+    return chosen
+
+
+FP8_FA4_UNAVAILABLE = "FA4 has no FP8 output epilogue yet (issue 28); use backend 'triton' or 'reference'"
+
+
+def choose_fp8(fn: str, backend, q: Tensor, v: Tensor, *, group: bool) -> str:
+    """The backend of an FP8-output attention call (``group``: the 128-column group format, whose fused kernel
+    needs ``Dv % 128 == 0``): ``auto`` is ``triton`` for CUDA tensors when Triton imports and the call fits its
+    kernel, else ``reference``; a named ``triton`` raises (RuntimeError) where Triton cannot run, and
+    (:class:`ArgumentError`) where ``Dv`` does not fit; ``fa4`` is refused (:data:`FP8_FA4_UNAVAILABLE`)."""
+    check_backend_name(fn, backend)
+    if backend == "fa4":
+        raise ArgumentError(f"{fn}: backend 'fa4' is unavailable: {FP8_FA4_UNAVAILABLE}")
+    dv = v.shape[2]
+    fits = not group or dv % fp8.GROUP_SIZE == 0
+    chosen = triton_or_reference(fn, backend, q.device, fits=fits)
+    if chosen == "triton" and not fits:
+        raise ArgumentError(f"{fn}: backend 'triton' needs v's head dim Dv divisible by {fp8.GROUP_SIZE} (a head's "
+                            f"tile holds whole 128-column groups), got {dv}")
     return chosen

@@ -16,6 +16,7 @@ from fusion_pass.kernels.checks import check_cu_seqlens_k, check_max_seqlen_k, c
 from fusion_pass.kernels.choice import triton_importable
 from fusion_pass.kernels.fa4.forward import (fa4_attention_nvfp4_paged, fa4_attention_nvfp4_varlen, fa4_attention_paged,
                                              fa4_attention_varlen)
+from fusion_pass.fp8 import GROUP_SIZE, NaNRule
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.nvfp4.reference import write_rows
 
@@ -29,6 +30,8 @@ __all__ = [
     "fa4_attention_half_varlen",
     "fa4_attention_nvfp4_varlen",
     "fa4_attention_with_lse_varlen",
+    "flash_attention_fp8_group_varlen",
+    "flash_attention_fp8_static_varlen",
     "flash_attention_nvfp4_varlen",
     "merge_nvfp4_rows",
     "quantize_into",
@@ -216,10 +219,15 @@ def flash_attention_nvfp4_varlen(
     """
     from fusion_pass.kernels.triton.flash_attention import flash_attention_nvfp4
 
-    fn = "flash_attention_nvfp4_varlen"
-    check_qkv(fn, q, k, v, separate_kv=cu_seqlens_k is not None)
-    if v.shape[2] % nvfp4.BLOCK_SIZE != 0:
-        raise ArgumentError(f"{fn}: v's head dim must be divisible by 16, got {v.shape[2]}")
+    _check_varlen("flash_attention_nvfp4_varlen", q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k, nvfp4.BLOCK_SIZE)
+    flash_attention_nvfp4(
+        q, k, v, cu_seqlens, max_seqlen, output_scale, causal=causal, softmax_scale=softmax_scale,
+        packed=output.view(torch.uint8), scales=output_block_scale, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_k=max_seqlen_k,
+    )
+
+
+def _check_cu_seqlens(fn: str, q: Tensor, cu_seqlens) -> None:
     if (
         not isinstance(cu_seqlens, Tensor)
         or cu_seqlens.dtype != torch.int32
@@ -231,14 +239,51 @@ def flash_attention_nvfp4_varlen(
         raise ArgumentError(
             f"{fn}: cu_seqlens must be contiguous int32 [B + 1 >= 2] on {q.device}, got {describe(cu_seqlens)}"
         )
+
+
+def _check_varlen(fn: str, q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k, dv_multiple: int) -> None:
+    """Shapes, dtypes and devices of a fused varlen call (values are not read: no synchronization), ``Dv`` a
+    multiple of ``dv_multiple`` (the output format's per-head tile)."""
+    check_qkv(fn, q, k, v, separate_kv=cu_seqlens_k is not None)
+    if v.shape[2] % dv_multiple != 0:
+        raise ArgumentError(f"{fn}: v's head dim must be divisible by {dv_multiple}, got {v.shape[2]}")
+    _check_cu_seqlens(fn, q, cu_seqlens)
     if cu_seqlens_k is not None:
         check_cu_seqlens_k(fn, cu_seqlens_k, cu_seqlens, q.device)
     check_max_seqlen_k(fn, max_seqlen_k, cu_seqlens_k)
-    flash_attention_nvfp4(
-        q, k, v, cu_seqlens, max_seqlen, output_scale, causal=causal, softmax_scale=softmax_scale,
-        packed=output.view(torch.uint8), scales=output_block_scale, cu_seqlens_k=cu_seqlens_k,
-        max_seqlen_k=max_seqlen_k,
-    )
+
+
+def flash_attention_fp8_static_varlen(
+    q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float, causal: bool,
+    output: Tensor, scale: Tensor, scale_is_inverse: bool = False, nan=NaNRule.POSITIVE_MAX,
+    cu_seqlens_k: Tensor | None = None, max_seqlen_k: int | None = None,
+) -> None:
+    """:func:`flash_attention_nvfp4_varlen` written as static per-tensor FP8 into ``output`` (float8_e4m3fn
+    ``[T, H*Dv]``): :func:`fusion_pass.kernels.triton.flash_attention.flash_attention_fp8_static` (``scale`` the
+    checkpoint's scale, or with ``scale_is_inverse`` the graph's reciprocal; ``nan`` a
+    :class:`fusion_pass.fp8.NaNRule`). Only shapes are checked (no device synchronization)."""
+    from fusion_pass.kernels.triton.flash_attention import flash_attention_fp8_static
+
+    _check_varlen("flash_attention_fp8_static_varlen", q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k, 1)
+    flash_attention_fp8_static(q, k, v, cu_seqlens, max_seqlen, scale, scale_is_inverse=scale_is_inverse, nan=nan,
+                               causal=causal, softmax_scale=softmax_scale, output=output, cu_seqlens_k=cu_seqlens_k,
+                               max_seqlen_k=max_seqlen_k)
+
+
+def flash_attention_fp8_group_varlen(
+    q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, max_seqlen: int, softmax_scale: float, causal: bool,
+    output: Tensor, output_scales: Tensor, ue8m0: bool = False, divide: bool = False,
+    cu_seqlens_k: Tensor | None = None, max_seqlen_k: int | None = None,
+) -> None:
+    """:func:`flash_attention_fp8_static_varlen` with one dynamic scale per row and 128 columns (``Dv % 128 ==
+    0``): :func:`fusion_pass.kernels.triton.flash_attention.flash_attention_fp8_group` into ``output`` and
+    ``output_scales`` (float32 ``[T, H*Dv/128]`` in any :class:`fusion_pass.fp8.ScaleLayout`)."""
+    from fusion_pass.kernels.triton.flash_attention import flash_attention_fp8_group
+
+    _check_varlen("flash_attention_fp8_group_varlen", q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen_k, GROUP_SIZE)
+    flash_attention_fp8_group(q, k, v, cu_seqlens, max_seqlen, ue8m0=ue8m0, divide=divide, causal=causal,
+                              softmax_scale=softmax_scale, output=output, scales=output_scales,
+                              cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
 
 
 # ---------------------------------------------------------------------------
@@ -248,15 +293,17 @@ def flash_attention_nvfp4_varlen(
 from fusion_pass.kernels.checks import zero_nvfp4_scale_padding  # noqa: E402
 from fusion_pass.nvfp4.checks import check_int  # noqa: E402
 
-__all__ += ["flash_attention_nvfp4_paged", "reference_nvfp4_paged"]
+__all__ += ["flash_attention_fp8_group_paged", "flash_attention_fp8_static_paged", "flash_attention_nvfp4_paged",
+            "reference_nvfp4_paged"]
 
 
-def _check_paged(fn: str, q, k_cache, v_cache, cu_seqlens, seqused_k, page_table, max_seqlen_k) -> None:
+def _check_paged(fn: str, q, k_cache, v_cache, cu_seqlens, seqused_k, page_table, max_seqlen_k,
+                 dv_multiple: int = nvfp4.BLOCK_SIZE) -> None:
     """Shapes, dtypes, devices and layouts of a paged call (values are not read: no synchronization):
     ``q [T, H, D]``, ``k_cache [P, S, Hkv, D]``, ``v_cache [P, S, Hkv, Dv]`` (one half dtype, one device, unit
-    stride along the last dim, ``H % Hkv == 0``, ``Dv % 16 == 0``), ``cu_seqlens`` contiguous int32 ``[B + 1 >=
-    2]``, ``seqused_k`` contiguous int32 ``[B]``, ``page_table`` int32 ``[B, max_pages]`` with unit stride along
-    its last dim, ``max_seqlen_k`` a non-negative int."""
+    stride along the last dim, ``H % Hkv == 0``, ``Dv % dv_multiple == 0``), ``cu_seqlens`` contiguous int32
+    ``[B + 1 >= 2]``, ``seqused_k`` contiguous int32 ``[B]``, ``page_table`` int32 ``[B, max_pages]`` with unit
+    stride along its last dim, ``max_seqlen_k`` a non-negative int."""
     layouts = {"q": "[T, H, D]", "k_cache": "[num_pages, page_size, Hkv, D]",
                "v_cache": "[num_pages, page_size, Hkv, Dv]"}
     for name, t, dims in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
@@ -284,19 +331,9 @@ def _check_paged(fn: str, q, k_cache, v_cache, cu_seqlens, seqused_k, page_table
         raise ArgumentError(f"{fn}: the caches' page_size must be at least 1, got {list(k_cache.shape)}")
     if hkv == 0 or h % hkv != 0:
         raise ArgumentError(f"{fn}: q's heads H={h} must be a multiple of the caches' heads Hkv={hkv}")
-    if v_cache.shape[3] % nvfp4.BLOCK_SIZE != 0:
-        raise ArgumentError(f"{fn}: v_cache's head dim must be divisible by 16, got {v_cache.shape[3]}")
-    if (
-        not isinstance(cu_seqlens, Tensor)
-        or cu_seqlens.dtype != torch.int32
-        or cu_seqlens.dim() != 1
-        or cu_seqlens.numel() < 2
-        or cu_seqlens.device != q.device
-        or not cu_seqlens.is_contiguous()
-    ):
-        raise ArgumentError(
-            f"{fn}: cu_seqlens must be contiguous int32 [B + 1 >= 2] on {q.device}, got {describe(cu_seqlens)}"
-        )
+    if v_cache.shape[3] % dv_multiple != 0:
+        raise ArgumentError(f"{fn}: v_cache's head dim must be divisible by {dv_multiple}, got {v_cache.shape[3]}")
+    _check_cu_seqlens(fn, q, cu_seqlens)
     b = cu_seqlens.numel() - 1
     if (
         not isinstance(seqused_k, Tensor)
@@ -383,3 +420,35 @@ def reference_nvfp4_paged(
     first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
     quantize_rows(out[first:last].reshape(last - first, h * dv), output_scale,
                   output.view(torch.uint8).view(t, h * dv // 2), output_block_scale, first, backend="reference")
+
+
+def flash_attention_fp8_static_paged(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cu_seqlens: Tensor, max_seqlen: int, seqused_k: Tensor,
+    page_table: Tensor, max_seqlen_k: int, softmax_scale: float, causal: bool, output: Tensor, scale: Tensor,
+    scale_is_inverse: bool = False, nan=NaNRule.POSITIVE_MAX,
+) -> None:
+    """:func:`flash_attention_nvfp4_paged` written as static per-tensor FP8 into ``output`` (float8_e4m3fn
+    ``[T, H*Dv]``; ``scale``, ``scale_is_inverse``, ``nan`` as :func:`flash_attention_fp8_static_varlen`):
+    :func:`fusion_pass.kernels.triton.paged.flash_attention_fp8_static_paged`. Only shapes are checked."""
+    from fusion_pass.kernels.triton.paged import flash_attention_fp8_static_paged as launch
+
+    _check_paged("flash_attention_fp8_static_paged", q, k_cache, v_cache, cu_seqlens, seqused_k, page_table,
+                 max_seqlen_k, dv_multiple=1)
+    launch(q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k, scale,
+           scale_is_inverse=scale_is_inverse, nan=nan, causal=causal, softmax_scale=softmax_scale, output=output)
+
+
+def flash_attention_fp8_group_paged(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, *, cu_seqlens: Tensor, max_seqlen: int, seqused_k: Tensor,
+    page_table: Tensor, max_seqlen_k: int, softmax_scale: float, causal: bool, output: Tensor,
+    output_scales: Tensor, ue8m0: bool = False, divide: bool = False,
+) -> None:
+    """:func:`flash_attention_fp8_static_paged` with one dynamic scale per row and 128 columns (``Dv % 128 ==
+    0``; ``output_scales`` float32 ``[T, H*Dv/128]`` in any :class:`fusion_pass.fp8.ScaleLayout`):
+    :func:`fusion_pass.kernels.triton.paged.flash_attention_fp8_group_paged`. Only shapes are checked."""
+    from fusion_pass.kernels.triton.paged import flash_attention_fp8_group_paged as launch
+
+    _check_paged("flash_attention_fp8_group_paged", q, k_cache, v_cache, cu_seqlens, seqused_k, page_table,
+                 max_seqlen_k, dv_multiple=GROUP_SIZE)
+    launch(q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k, ue8m0=ue8m0,
+           divide=divide, causal=causal, softmax_scale=softmax_scale, output=output, scales=output_scales)

@@ -1,34 +1,31 @@
-"""Triton flash-attention forward (varlen, causal) with two epilogues: half-precision or NVFP4.
+"""Triton flash-attention forward (varlen, causal) with four epilogues: half precision, NVFP4, FP8 static, FP8
+groups. One kernel source serves every output; the ``EPILOGUE`` constexpr picks the output stage
+(:mod:`.epilogues`): ``out [T, H, Dv]`` in the query dtype (the unfused path and the guard's fallback; float32
+for partial results, optionally with the log-sum-exp), NVFP4 (packed e2m1 codes ``[T, H*Dv/2]`` and e4m3 block
+scales at the tokens' global rows in the 128x4 swizzled layout, quantized from the float32 accumulator with the
+global scale as input: the fused path, no half-precision round trip), or FP8 (``float8_e4m3fn [T, H*Dv]``,
+static per-tensor or one dynamic scale per row and 128 columns: the bytes of :mod:`fusion_pass.fp8`'s reference
+quantizers applied to the kernel's own float32 output).
 
-One kernel source serves both outputs; the ``EPILOGUE`` constexpr picks
-:func:`_store_half` (``out [T, H, Dv]`` in the query dtype, the unfused path
-and the guard's fallback; float32 for partial results, optionally with the
-log-sum-exp) or :func:`_store_nvfp4` (packed e2m1 codes ``[T, H*Dv/2]`` and
-e4m3 block scales at the tokens' global rows in the 128x4 swizzled layout,
-quantized from the float32 accumulator with the global scale as input: the
-fused path, no half-precision round trip).
+Layouts: ``q [T, H, Dqk]``, ``k [Tk, Hkv, Dqk]``, ``v [Tk, Hkv, Dv]`` (token-major, unit stride along the head
+dim). Query sequences are packed along ``T`` and delimited by ``cu_seqlens`` int32 ``[B + 1]``; their outputs go
+to the same global rows. Key/value sequences are delimited by ``cu_seqlens_k`` (default ``cu_seqlens``: a
+sequence's keys are its own tokens). Query head ``h`` reads kv head ``h // (H / Hkv)``. A sequence with ``Lq``
+queries and ``Lk`` keys is causal aligned to the end of the keys (bottom-right, FlashAttention's convention):
+query ``i`` sees keys ``j <= i + (Lk - Lq)``, i.e. a chunk of new tokens after ``Lk - Lq`` cached context tokens.
 
-Layouts: ``q [T, H, Dqk]``, ``k [Tk, Hkv, Dqk]``, ``v [Tk, Hkv, Dv]`` (token-major,
-unit stride along the head dim). Query sequences are packed along ``T`` and
-delimited by ``cu_seqlens`` int32 ``[B + 1]``; their outputs go to the same
-global rows. Key/value sequences are delimited by ``cu_seqlens_k`` (default
-``cu_seqlens``: a sequence's keys are its own tokens). Query head ``h`` reads kv
-head ``h // (H / Hkv)``. A sequence with ``Lq`` queries and ``Lk`` keys is
-causal aligned to the end of the keys (bottom-right, FlashAttention's
-convention): query ``i`` sees keys ``j <= i + (Lk - Lq)``, i.e. a chunk of new
-tokens after ``Lk - Lq`` cached context tokens.
+The query/key head dim need not be a power of two: it is split into a power-of-two part and a tail (MLA
+prefill's 192 = 128 + 64), each its own dot.
 
-The query/key head dim need not be a power of two: it is split into a
-power-of-two part and a tail (MLA prefill's 192 = 128 + 64), each its own dot.
-
-Paged KV cache (:mod:`.paged`: ``flash_attention_paged``, ``flash_attention_nvfp4_paged``): the same kernel with
-the ``PAGED`` constexpr reads sequence ``b``'s ``seqused_k[b]`` keys through row ``b`` of a page table from
-``k_cache [num_pages, page_size, Hkv, Dqk]`` / ``v_cache [num_pages, page_size, Hkv, Dv]`` (any strides but
-the last), FlashAttention's and vLLM's paged layout; only the addresses of the key rows differ
+Paged KV cache (:mod:`.paged`: ``flash_attention_paged``, ``flash_attention_nvfp4_paged``, the FP8 two): the
+same kernel with the ``PAGED`` constexpr reads sequence ``b``'s ``seqused_k[b]`` keys through row ``b`` of a
+page table from ``k_cache [num_pages, page_size, Hkv, Dqk]`` / ``v_cache [num_pages, page_size, Hkv, Dv]`` (any
+strides but the last), FlashAttention's and vLLM's paged layout; only the addresses of the key rows differ
 (:func:`_key_rows`), the blocks, masks, online softmax and epilogues are shared.
 
-:func:`flash_attention`, :func:`flash_attention_nvfp4` and :mod:`.paged`'s two are unvalidated
-launchers; the checked entry points are in :mod:`fusion_pass.kernels` (the fused backends' paged call is
+:func:`flash_attention`, :func:`flash_attention_nvfp4`, :func:`flash_attention_fp8_static`,
+:func:`flash_attention_fp8_group` and :mod:`.paged`'s four are unvalidated launchers; the checked entry points
+are in :mod:`fusion_pass.kernels` (the fused backends' paged call is
 :func:`fusion_pass.kernels.launchers.flash_attention_nvfp4_paged`).
 """
 
@@ -40,22 +37,17 @@ import torch
 import triton
 import triton.language as tl
 
-from fusion_pass import nvfp4
+from fusion_pass import fp8, nvfp4
 from fusion_pass.kernels.checks import zero_nvfp4_scale_padding
-from fusion_pass.kernels.triton.nvfp4_math import quantize_pairs, swizzled_scale_offset
+from fusion_pass.kernels.triton.epilogues import (EPILOGUE_FP8_GROUP, EPILOGUE_FP8_STATIC, EPILOGUE_HALF,
+                                                   EPILOGUE_NVFP4, FP8_DEFAULTS, NAN_BYTES, fp8_static_bytes,
+                                                   store_fp8_group, store_half, store_lse, store_nvfp4)
 from fusion_pass.kernels.triton.tiles import attention_config, split_head_dim
 
-__all__ = [
-    "attention_config",
-    "flash_attention",
-    "flash_attention_nvfp4",
-    "split_head_dim",
-]
+__all__ = ["attention_config", "flash_attention", "flash_attention_fp8_group", "flash_attention_fp8_static",
+           "flash_attention_nvfp4", "split_head_dim"]
 
-EPILOGUE_HALF = 0
-EPILOGUE_NVFP4 = 1
 LOG2E = 1.4426950408889634
-LN2 = tl.constexpr(0.6931471805599453)  # the kernel's log-sum-exp is base 2; its output is natural
 
 
 @triton.jit
@@ -197,68 +189,21 @@ def _put_back_non_finite(
 
 
 @triton.jit
-def _store_half(out, out_ptr, stride_ot, stride_oh, tokens, rows_valid, head, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Half-precision epilogue: ``out [BLOCK_M, BLOCK_DV]`` float32 -> ``Out[token, head, :]``
-    (converted to ``Out``'s dtype: the query dtype, or float32)."""
-    d_v = tl.arange(0, BLOCK_DV)
-    offsets = tokens[:, None].to(tl.int64) * stride_ot + head * stride_oh + d_v[None, :]
-    mask = rows_valid[:, None] & (d_v[None, :] < HEAD_DIM_V)
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _store_nvfp4(
-    out, packed_ptr, scales_ptr, global_scale_ptr, tokens, rows_valid, head, packed_row_bytes, scale_col_tiles,
-    HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """NVFP4 epilogue: quantize ``out [BLOCK_M, BLOCK_DV]`` float32 per 16-element block.
-
-    Row ``t`` (a global token index), head ``h``: packed bytes at
-    ``packed[t, h*Dv/2 : (h+1)*Dv/2]``, block scales at the swizzled offsets of
-    (row ``t``, block columns ``h*Dv/16 ...``). NaN / ±Inf in ``out`` (from NaN or
-    infinite inputs) are written per docs/nvfp4.md "NaN and infinity" by the shared
-    :func:`~fusion_pass.kernels.triton.nvfp4_math.quantize_pairs`: NaN blocks as scale byte
-    0x7F and codes 0, ±Inf as code 0x7 / 0xF under a saturated (448) scale.
-    """
-    BLOCKS: tl.constexpr = BLOCK_DV // 16
-    even, odd = tl.split(tl.reshape(out, (BLOCK_M, BLOCK_DV // 2, 2)))
-    packed, sf = quantize_pairs(
-        tl.reshape(even, (BLOCK_M * BLOCKS, 8)), tl.reshape(odd, (BLOCK_M * BLOCKS, 8)), tl.load(global_scale_ptr)
-    )
-    blocks = tl.arange(0, BLOCK_M * BLOCKS)
-    block_tokens = tl.reshape(tl.broadcast_to(tokens[:, None], (BLOCK_M, BLOCKS)), (BLOCK_M * BLOCKS,)).to(tl.int64)
-    block_valid = tl.reshape(tl.broadcast_to(rows_valid[:, None], (BLOCK_M, BLOCKS)), (BLOCK_M * BLOCKS,))
-    block_valid = block_valid & (blocks % BLOCKS < HEAD_DIM_V // 16)
-    head_blocks = blocks % BLOCKS
-    block_bytes = block_tokens * packed_row_bytes + head * (HEAD_DIM_V // 2) + head_blocks * 8
-    tl.store(packed_ptr + block_bytes[:, None] + tl.arange(0, 8)[None, :], packed, mask=block_valid[:, None])
-    scale_offsets = swizzled_scale_offset(block_tokens, head * (HEAD_DIM_V // 16) + head_blocks, scale_col_tiles)
-    tl.store(scales_ptr + scale_offsets, sf, mask=block_valid)
-
-
-@triton.jit
-def _store_lse(row_max, row_sum, lse_ptr, stride_lt, stride_lh, tokens, rows_valid, head):
-    """``Lse[token, head] = ln(sum_j exp(scale * q.k_j))`` from the log2-domain running max and
-    sum (``-inf`` where no key was visible)."""
-    empty = row_sum == 0.0
-    lse = tl.where(empty, float("-inf"), (row_max + tl.math.log2(tl.where(empty, 1.0, row_sum))) * LN2)
-    tl.store(lse_ptr + tokens.to(tl.int64) * stride_lt + head * stride_lh, lse, mask=rows_valid)
-
-
-@triton.jit
 def _flash_attention_kernel(
     q_ptr, k_ptr, v_ptr, cu_seqlens_ptr, cu_seqlens_k_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     page_table_ptr, stride_pb, page_size, stride_kp, stride_vp,  # PAGED
-    out_ptr, stride_ot, stride_oh,  # half epilogue
+    out_ptr, stride_ot, stride_oh,  # half epilogue; FP8: the output's bytes (stride_oh = Dv)
     lse_ptr, stride_lt, stride_lh,  # half epilogue, STORE_LSE
     packed_ptr, scales_ptr, global_scale_ptr, packed_row_bytes, scale_col_tiles,  # NVFP4 epilogue
+    stride_st, stride_sg,  # FP8 groups: scales_ptr's row and group-column strides; FP8 static: global_scale_ptr
     qk_scale, kv_group,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D_MAIN: tl.constexpr, BLOCK_D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, EPILOGUE: tl.constexpr, STORE_LSE: tl.constexpr, UPCAST: tl.constexpr,
     PAGED: tl.constexpr,
+    SCALE_IS_INVERSE: tl.constexpr, NAN_BYTE: tl.constexpr, UE8M0: tl.constexpr, DIVIDE: tl.constexpr,  # FP8
 ):
     """Program ``(m, h, b)``: query rows ``[m*BLOCK_M, +BLOCK_M)`` of sequence ``b``, head ``h``.
 
@@ -349,22 +294,31 @@ def _flash_attention_kernel(
                                        key_end, seqlen_k, rows + diag, HEAD_DIM_V, BLOCK_DV, PAGED)
 
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-    if EPILOGUE == 0:  # EPILOGUE_HALF (module constants are plain ints for the launcher)
-        _store_half(out, out_ptr, stride_ot, stride_oh, tokens, rows_valid, head, HEAD_DIM_V, BLOCK_DV)
+    # EPILOGUE: 0 half, 1 NVFP4, 2 FP8 static, 3 FP8 groups (.epilogues' constants are plain ints for the launcher)
+    if EPILOGUE == 0:
+        store_half(out, out_ptr, stride_ot, stride_oh, tokens, rows_valid, head, HEAD_DIM_V, BLOCK_DV)
         if STORE_LSE:
-            _store_lse(row_max, row_sum, lse_ptr, stride_lt, stride_lh, tokens, rows_valid, head)
-    else:
-        _store_nvfp4(
+            store_lse(row_max, row_sum, lse_ptr, stride_lt, stride_lh, tokens, rows_valid, head)
+    elif EPILOGUE == 1:
+        store_nvfp4(
             out, packed_ptr, scales_ptr, global_scale_ptr, tokens, rows_valid, head, packed_row_bytes,
             scale_col_tiles, HEAD_DIM_V, BLOCK_M, BLOCK_DV,
         )
+    elif EPILOGUE == 2:
+        codes = fp8_static_bytes(out, global_scale_ptr, SCALE_IS_INVERSE, NAN_BYTE)
+        store_half(codes, out_ptr, stride_ot, stride_oh, tokens, rows_valid, head, HEAD_DIM_V, BLOCK_DV)
+    else:
+        store_fp8_group(out, out_ptr, stride_ot, stride_oh, scales_ptr, stride_st, stride_sg, tokens, rows_valid,
+                        head, HEAD_DIM_V, BLOCK_M, BLOCK_DV, UE8M0, DIVIDE)
 
 
 def _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, epilogue, out, lse, packed, scales,
-            global_scale, config=None, page_table=None):
+            global_scale, config=None, page_table=None, scale_strides=(0, 0), fp8_flags=None):
     """One launch of :func:`_flash_attention_kernel`. Contiguous keys: ``k [Tk, Hkv, Dqk]``, ``v [Tk, Hkv, Dv]``,
     ``cu_seqlens_k`` (None: ``cu_seqlens``). Paged (``page_table`` given): ``k [P, S, Hkv, Dqk]``,
-    ``v [P, S, Hkv, Dv]`` caches and ``cu_seqlens_k`` holding ``seqused_k``."""
+    ``v [P, S, Hkv, Dv]`` caches and ``cu_seqlens_k`` holding ``seqused_k``. FP8: ``out`` the output's bytes as
+    a uint8 ``[T, H, Dv]`` view, ``global_scale`` the static scale, ``scales`` the group scales (their
+    ``scale_strides``), ``fp8_flags`` the FP8 constexprs (:data:`.epilogues.FP8_DEFAULTS`)."""
     t, num_heads, head_dim_qk = q.shape
     paged = page_table is not None
     num_kv_heads, head_dim_v = v.shape[-2], v.shape[-1]
@@ -395,8 +349,7 @@ def _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale
         page_table = cu_seqlens  # not read
         if k.shape[0] == 0:  # no key anywhere: nothing is loaded, but an empty tensor is no pointer to pass
             k = v = q
-    nvfp4_out = epilogue == EPILOGUE_NVFP4
-    half = out if not nvfp4_out else q  # placeholders keep the signature fixed
+    half = out if out is not None else q  # placeholders keep the signature fixed
     lse_buf = lse if lse is not None else q
     _flash_attention_kernel[grid](
         q, k, v, cu_seqlens, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k,
@@ -404,14 +357,14 @@ def _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale
         page_table, stride_pb, page_size, stride_kp, stride_vp,
         half, half.stride(0), half.stride(1),
         lse_buf, lse_buf.stride(0), lse_buf.stride(1),
-        packed if nvfp4_out else q, scales if nvfp4_out else q, global_scale if nvfp4_out else q,
-        num_heads * head_dim_v // 2, nvfp4.round_up(num_heads * head_dim_v // 16, 4) // 4,
+        *(x if x is not None else q for x in (packed, scales, global_scale)),
+        num_heads * head_dim_v // 2, nvfp4.round_up(num_heads * head_dim_v // 16, 4) // 4, *scale_strides,
         softmax_scale * LOG2E, num_heads // num_kv_heads,
         HEAD_DIM_QK=head_dim_qk, HEAD_DIM_V=head_dim_v,
         BLOCK_D_MAIN=d_main, BLOCK_D_TAIL=d_tail, BLOCK_DV=triton.next_power_of_2(head_dim_v),
         BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"],
         CAUSAL=causal, EPILOGUE=epilogue, STORE_LSE=lse is not None, UPCAST=q.device.type != "cuda",
-        PAGED=paged,
+        PAGED=paged, **{**FP8_DEFAULTS, **(fp8_flags or {})},
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -492,3 +445,56 @@ def _nvfp4_launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, global_scale, c
     _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, EPILOGUE_NVFP4, None, None,
             packed.view(torch.uint8), scale_bytes, global_scale, config, page_table)
     return packed.view(t, width // 2), scale_bytes.view(rows, cols).view(torch.float8_e4m3fn)
+
+
+def flash_attention_fp8_static(
+    q, k, v, cu_seqlens, max_seqlen, scale, *, scale_is_inverse=False, nan=fp8.NaNRule.POSITIVE_MAX, causal=True,
+    softmax_scale=None, output=None, config=None, cu_seqlens_k=None, max_seqlen_k=None,
+):
+    """Varlen flash attention written as static per-tensor FP8 (arguments not validated).
+
+    Arguments as :func:`flash_attention_nvfp4`, with ``scale`` (float32, one element, on the device: the
+    checkpoint's scale, inverted here by an IEEE division, or with ``scale_is_inverse`` its inverse, the graph's
+    own reciprocal), ``nan`` (a :class:`fusion_pass.fp8.NaNRule` or its value: ``POSITIVE_MAX``, vLLM's CUDA op,
+    or ``NAN``, the native form) and an optional ``output`` (float8_e4m3fn ``[T, H*Dv]``, unit column stride).
+
+    Returns:
+        ``output``: rows ``[cu_seqlens[0], cu_seqlens[B])`` hold :func:`fusion_pass.fp8.quantize_static` of the
+        kernel's own float32 output (:func:`flash_attention` with a float32 ``out``); no other byte is touched.
+    """
+    flags = {"SCALE_IS_INVERSE": bool(scale_is_inverse), "NAN_BYTE": NAN_BYTES[fp8.NaNRule(nan)]}
+    return _fp8_launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, output, config, None,
+                       EPILOGUE_FP8_STATIC, scale, None, flags)
+
+
+def flash_attention_fp8_group(
+    q, k, v, cu_seqlens, max_seqlen, *, ue8m0=False, divide=False, causal=True, softmax_scale=None, output=None,
+    scales=None, config=None, cu_seqlens_k=None, max_seqlen_k=None,
+):
+    """Varlen flash attention written as FP8 with one dynamic scale per row and 128 columns (arguments not
+    validated; ``Dv % 128 == 0``). ``ue8m0``: scales rounded up to powers of two; ``divide``: ``x / s`` (vLLM
+    0.32) instead of ``x * (1 / s)``; ``output`` as :func:`flash_attention_fp8_static`; ``scales``: float32
+    ``[T, H*Dv/128]``, any strides (a :class:`fusion_pass.fp8.ScaleLayout`; default a row-major new one).
+
+    Returns:
+        ``(output, scales)``: rows ``[cu_seqlens[0], cu_seqlens[B])`` hold :func:`fusion_pass.fp8.quantize_group`
+        of the kernel's own float32 output; no other byte or scale is touched.
+    """
+    if scales is None:
+        scales = fp8.group_scale_buffer(q.shape[0], q.shape[1] * v.shape[-1], device=q.device)
+    flags = {"UE8M0": bool(ue8m0), "DIVIDE": bool(divide)}
+    return _fp8_launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, output, config, None,
+                       EPILOGUE_FP8_GROUP, None, scales, flags), scales
+
+
+def _fp8_launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, output, config, page_table,
+                epilogue, static_scale, group_scales, flags):
+    """The FP8 launchers' body: the output allocated where not given, one launch writing its bytes."""
+    t, h, dv = q.shape[0], q.shape[1], v.shape[-1]
+    if output is None:
+        output = torch.empty((t, h * dv), dtype=fp8.FP8, device=q.device)
+    strides = (0, 0) if group_scales is None else tuple(group_scales.stride())
+    _launch(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, causal, softmax_scale, epilogue,
+            output.view(torch.uint8).unflatten(1, (h, dv)), None, None, group_scales, static_scale, config,
+            page_table, strides, flags)
+    return output

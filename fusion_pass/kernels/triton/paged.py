@@ -5,9 +5,12 @@ a page table, everything else shared with the varlen path).
 
 from __future__ import annotations
 
-from fusion_pass.kernels.triton.flash_attention import EPILOGUE_HALF, _launch, _nvfp4_launch
+from fusion_pass import fp8
+from fusion_pass.kernels.triton.epilogues import EPILOGUE_FP8_GROUP, EPILOGUE_FP8_STATIC, EPILOGUE_HALF, NAN_BYTES
+from fusion_pass.kernels.triton.flash_attention import _fp8_launch, _launch, _nvfp4_launch
 
-__all__ = ["flash_attention_nvfp4_paged", "flash_attention_paged"]
+__all__ = ["flash_attention_fp8_group_paged", "flash_attention_fp8_static_paged", "flash_attention_nvfp4_paged",
+           "flash_attention_paged"]
 
 
 def flash_attention_paged(
@@ -74,3 +77,40 @@ def flash_attention_nvfp4_paged(
     """
     return _nvfp4_launch(q, k_cache, v_cache, cu_seqlens, seqused_k, max_seqlen, output_scale, causal, softmax_scale,
                          packed, scales, config, page_table)
+
+
+def flash_attention_fp8_static_paged(
+    q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k, scale, *,
+    scale_is_inverse=False, nan=fp8.NaNRule.POSITIVE_MAX, causal=True, softmax_scale=None, output=None, config=None,
+):
+    """Flash attention over a paged KV cache written as static per-tensor FP8 (arguments not validated).
+
+    Arguments as :func:`flash_attention_paged` (no ``out`` / ``lse``); ``scale``, ``scale_is_inverse``, ``nan``,
+    ``output`` and the result as :func:`~fusion_pass.kernels.triton.flash_attention.flash_attention_fp8_static`:
+    the same epilogue, so rows ``[cu_seqlens[0], cu_seqlens[B])`` hold :func:`fusion_pass.fp8.quantize_static` of
+    this kernel's own float32 output (:func:`flash_attention_paged` with a float32 ``out``); other rows keep
+    their bytes.
+    """
+    flags = {"SCALE_IS_INVERSE": bool(scale_is_inverse), "NAN_BYTE": NAN_BYTES[fp8.NaNRule(nan)]}
+    return _fp8_launch(q, k_cache, v_cache, cu_seqlens, seqused_k, max_seqlen, causal, softmax_scale, output, config,
+                       page_table, EPILOGUE_FP8_STATIC, scale, None, flags)
+
+
+def flash_attention_fp8_group_paged(
+    q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k, *, ue8m0=False, divide=False,
+    causal=True, softmax_scale=None, output=None, scales=None, config=None,
+):
+    """Flash attention over a paged KV cache written as FP8 with one dynamic scale per row and 128 columns
+    (arguments not validated; ``Dv % 128 == 0``).
+
+    Arguments as :func:`flash_attention_paged` (no ``out`` / ``lse``); ``ue8m0``, ``divide``, ``output``,
+    ``scales`` (float32 ``[T, H*Dv/128]``, any :class:`fusion_pass.fp8.ScaleLayout`) and the result ``(output,
+    scales)`` as :func:`~fusion_pass.kernels.triton.flash_attention.flash_attention_fp8_group`: rows
+    ``[cu_seqlens[0], cu_seqlens[B])`` hold :func:`fusion_pass.fp8.quantize_group` of this kernel's own float32
+    output; other rows and their scales keep their bytes.
+    """
+    if scales is None:
+        scales = fp8.group_scale_buffer(q.shape[0], q.shape[1] * v_cache.shape[-1], device=q.device)
+    flags = {"UE8M0": bool(ue8m0), "DIVIDE": bool(divide)}
+    return _fp8_launch(q, k_cache, v_cache, cu_seqlens, seqused_k, max_seqlen, causal, softmax_scale, output, config,
+                       page_table, EPILOGUE_FP8_GROUP, None, scales, flags), scales
