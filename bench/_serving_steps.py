@@ -404,11 +404,12 @@ class StepRunner:
         each on the same queries).
 
         ``clock="eager"``: CUDA events around the layers' eager calls, median of ``repeats`` after ``warmup``,
-        fresh randn queries before every call, outside the timed region. ``clock="graph"``: the layers' calls
-        captured in one CUDA graph (after ``warmup`` runs on the capture stream) and replayed ``repeats``
-        times, median of the replays' CUDA-event times: GPU time alone, no host cost or launch gaps; the
-        step's queries are drawn once. When a variant cannot be captured, every variant of the step is timed
-        eagerly (one clock per ratio), the variant and its reason in ``eager_instead``. On the CPU: wall time
+        fresh randn queries before every call, outside the timed region. ``clock="graph"``: each variant's
+        layer calls captured in one CUDA graph (after ``warmup`` runs on the capture stream), the graphs replayed
+        in ``repeats`` rounds of one replay each, the order rotated every round, median of each variant's
+        CUDA-event times: GPU time alone, no host cost or launch gaps, drift shared by every variant; the step's
+        queries are drawn once. When a capture fails, every variant of the step is timed eagerly (one clock per
+        ratio), the variant and its reason in ``eager_instead``. On the CPU: wall time
         (``warmup`` untimed calls first).
 
         Returns ``{"ms": {variant: median}, "bytes_equal": {pair_key(pair): bool}, "eager_instead":
@@ -423,14 +424,13 @@ class StepRunner:
                  for x, y in CHECKED_PAIRS + INFO_PAIRS}
         ms, eager_instead = {}, {}
         if self.cuda and clock == "graph":
-            for name, call in variants.items():
-                try:
-                    ms[name] = _timing.median(_timing.graph_replay_ms(call, calls=1, replays=repeats, warmup=warmup))
-                except Exception as exc:  # not capturable here: the whole step is timed eagerly, and said so
-                    eager_instead[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                    torch.cuda.synchronize()
-                    ms = {}
-                    break
+            try:
+                samples = _timing.graph_replay_interleaved_ms(variants, replays=repeats, warmup=warmup)
+                ms = {name: _timing.median(x) for name, x in samples.items()}
+            except _timing.GraphCaptureError as exc:  # not capturable here: the whole step is timed eagerly, and said so
+                eager_instead[exc.name] = f"{type(exc.cause).__name__}: {str(exc.cause)[:200]}"
+                torch.cuda.synchronize()
+                ms = {}
         if not ms:
             for name, call in variants.items():
                 if self.cuda:

@@ -3,6 +3,8 @@
 * :func:`graph_replay_ms`: ``calls`` calls of ``fn`` captured in one CUDA graph, the graph replayed
   ``replays`` times, each replay timed by CUDA events; one sample per replay, in ms per call. What a
   server running the calls under CUDA graphs sees: no host cost, no launch gaps.
+* :func:`graph_replay_interleaved_ms`: several functions, one graph each, replayed in rounds (one replay of
+  each a round, the order rotated): clock and L2 drift shared by all of them, for ratios between them.
 * :func:`host_us`: ``time.perf_counter`` around each call, no synchronization inside the timed
   region: the host's cost of launching (argument handling, checks, the launch itself), in us per call.
 * :func:`event_ms`: CUDA events around eager calls (GPU time with the launch gaps a host-bound
@@ -21,7 +23,8 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["L2_POLICY", "calls_for", "cpu_ms", "distribution", "event_ms", "graph_replay_ms", "host_us", "median",
+__all__ = ["GraphCaptureError", "L2_POLICY", "calls_for", "cpu_ms", "distribution", "event_ms", "graph_replay_ms",
+           "graph_replay_interleaved_ms", "host_us", "median",
            "percentile"]
 
 L2_POLICY = ("L2 not flushed between calls or replays; inputs rotate among input sets (3 sets when one set is "
@@ -109,6 +112,61 @@ def graph_replay_ms(fn: Callable[[], object], *, calls: int, replays: int, warmu
     del graph
     torch.cuda.synchronize()
     return samples
+
+
+class GraphCaptureError(RuntimeError):
+    """A function of :func:`graph_replay_interleaved_ms` could not be captured: ``name`` and the ``cause``."""
+
+    def __init__(self, name: str, cause: BaseException):
+        super().__init__(f"{name}: {type(cause).__name__}: {cause}")
+        self.name, self.cause = name, cause
+
+
+def graph_replay_interleaved_ms(fns: dict[str, Callable[[], object]], *, replays: int,
+                                warmup: int = 2) -> dict[str, list[float]]:
+    """GPU ms per call of each of ``fns`` (name -> callable, each already run once eagerly, none synchronizing):
+    each captured in its own CUDA graph (after ``warmup`` runs on the capture stream), then replayed in rounds,
+    one replay of every graph per round, the order rotated each round, so that clock and L2 drift fall on every
+    variant alike. ``{name: [replays samples]}``. A capture that fails raises :class:`GraphCaptureError` naming
+    the function (the caller times eagerly)."""
+    graphs = {}
+    try:
+        for name, fn in fns.items():
+            try:
+                graphs[name] = _captured(fn, warmup)
+            except Exception as exc:
+                raise GraphCaptureError(name, exc) from exc
+        torch.cuda.synchronize()
+        names = list(graphs)
+        samples = {name: [] for name in names}
+        for r in range(replays):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graphs[name].replay()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+        return samples
+    finally:
+        graphs.clear()
+        torch.cuda.synchronize()
+
+
+def _captured(fn: Callable[[], object], warmup: int):
+    """``fn`` run ``warmup`` times on a side stream, then captured in a CUDA graph, uploaded by one replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()  # the first replay uploads the graph
+    return graph
 
 
 def host_us(fn: Callable[[], object], *, calls: int, sync_every: int = 25, cuda: bool = True) -> list[float]:

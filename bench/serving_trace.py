@@ -380,8 +380,9 @@ def _pass_on_lines(t: dict) -> list[str]:
 CLOCK_WHAT = {
     "eager": "CUDA events around eager calls, median of repeats after warm-up, fresh randn queries per call, "
              "L2 not flushed",
-    "graph": "CUDA-graph replay of the layers' calls (GPU time alone: no host cost, no launch gaps), median of "
-             "repeats after warm-up, the step's randn queries drawn once, L2 not flushed",
+    "graph": "CUDA-graph replay of the layers' calls (GPU time alone: no host cost, no launch gaps), one graph per "
+             "variant replayed in rounds (one replay of each a round, the order rotated), median of repeats after "
+             "warm-up, the step's randn queries drawn once, L2 not flushed",
 }
 
 

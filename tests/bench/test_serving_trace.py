@@ -801,22 +801,26 @@ def test_graph_clock_needs_cuda(capsys):
 
 @pytest.mark.parametrize("capturable", [True, False])
 def test_graph_clock_replays_each_variant_or_times_the_step_eagerly_and_says_why(trace_steps, monkeypatch, capturable):
-    """The clock's dispatch, on the CPU with the CUDA timers stood in: ``graph`` times every variant by the graph
-    replay; when one variant's capture fails (here unfused_split, the second of every step), every variant of
+    """The clock's dispatch, on the CPU with the CUDA timers stood in: ``graph`` times every variant by the
+    interleaved graph replay; when one variant's capture fails (here unfused_split, the second of every step), every variant of
     that step is timed by eager CUDA events instead (one clock per ratio), and the step is reported with the
     variant and its reason (JSON, summary and markdown)."""
     steps, _ = trace_steps
     timed = {"graph": 0, "eager": 0, "attempts": 0}
     variants = steps_mod.StepRunner.VARIANTS
 
-    def graph_replay_ms(fn, *, calls, replays, warmup):
-        assert calls == 1 and replays == 3
-        timed["attempts"] += 1
-        if not capturable and fn.__name__ == variants[1]:  # the unfused_split closure
-            raise RuntimeError("operation not permitted when stream is capturing")
-        timed["graph"] += 1
-        fn()
-        return [2.0, 1.0, 3.0]
+    def graph_replay_interleaved_ms(fns, *, replays, warmup):
+        assert replays == 3 and list(fns) == list(variants)
+        samples = {}
+        for name, fn in fns.items():
+            timed["attempts"] += 1
+            if not capturable and name == variants[1]:  # unfused_split
+                raise steps_mod._timing.GraphCaptureError(
+                    name, RuntimeError("operation not permitted when stream is capturing"))
+            timed["graph"] += 1
+            fn()
+            samples[name] = [2.0, 1.0, 3.0]
+        return samples
 
     def event_ms(fn, *, repeats, warmup, before):
         timed["eager"] += 1
@@ -824,7 +828,7 @@ def test_graph_clock_replays_each_variant_or_times_the_step_eagerly_and_says_why
         fn()
         return [5.0] * repeats
 
-    monkeypatch.setattr(steps_mod._timing, "graph_replay_ms", graph_replay_ms)
+    monkeypatch.setattr(steps_mod._timing, "graph_replay_interleaved_ms", graph_replay_interleaved_ms)
     monkeypatch.setattr(steps_mod._timing, "event_ms", event_ms)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     original_init = steps_mod.StepRunner.__init__
