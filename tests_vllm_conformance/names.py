@@ -295,7 +295,11 @@ ENTRIES = (
     Attribute(f"{FLASHINFER}.FlashInferImpl", "sinks"),
 
     # fusion_pass/vllm/compile/vocabulary.py: the other quants and the NVFP4 GEMM forms (VLLM_GEMM_FORMS)
-    OpSchema("_C::static_scaled_fp8_quant"),  # another format: a match ending in it is refused
+    # (_C::static_scaled_fp8_quant and per_token_group_fp8_quant: with their schemas above; other formats)
+    # the FP8 forms refused under their names (fusion_pass/formats/fp8.py REFUSED)
+    OpSchema("_C::dynamic_per_token_scaled_fp8_quant"),
+    OpSchema("_C::dynamic_scaled_fp8_quant"),
+    OpSchema("_C::per_token_group_fp8_quant_packed"),
     OpSchema("vllm::flashinfer_nvfp4_quantize"),  # 8x4 scales: refused
     OpSchema("vllm::flashinfer_mm_fp4", has=("A", "A_scale", "backend", "use_nvfp4", "block_size", "use_8x4_sf_layout")),
     OpSchema("_C::cutlass_scaled_fp4_mm", has=("a", "block_scale_a")),

@@ -42,11 +42,10 @@ VLLM_GEMM_FORMS = (
 (docs/vllm.md, "NVFP4 GEMM forms"; each checked in the releases' wheels by tests_vllm_conformance). The weight-only kernels (Marlin, Humming, the W4A16 ones) and the
 emulation kernel quantize no activation with it and have no form."""
 
-_REFUSED_QUANTS = (("vllm", "flashinfer_nvfp4_quantize", "default", "gemm_scale_layout_8x4"),
-                   *((*f.op, f.name) for f in formats.REFUSED))
-"""Quant ops writing what the fused call does not: FlashInfer's 8x4-scale NVFP4 quant, which ``scaled_fp4_quant``
-calls for the TRT-LLM GEMM at m <= 32, and the FP8 forms :data:`fusion_pass.formats.REFUSED` lists (dynamic
-per-token and per-tensor scales, packed UE8M0 group scales), each refused under its name."""
+_REFUSED_QUANTS = (("vllm", "flashinfer_nvfp4_quantize", "default", "gemm_scale_layout_8x4"),)
+"""NVFP4 quant ops writing a layout the fused call does not: FlashInfer's 8x4-scale quant, which
+``scaled_fp4_quant`` calls for the TRT-LLM GEMM at m <= 32. The FP8 forms refused (dynamic per-token and
+per-tensor scales, packed UE8M0 group scales) come from :data:`fusion_pass.formats.REFUSED`, each under its name."""
 
 
 def _maybe(namespace: str, name: str, overload: str):
@@ -113,8 +112,9 @@ def vllm_vocabulary() -> OpVocabulary | None:
         other_quants=tuple(op for op in (_maybe("_C", "static_scaled_fp8_quant", "default"),
                                          _maybe("_C", "per_token_group_fp8_quant", "default"),
                                          *own_vocab.other_quants) if op is not None),
-        refused_quants=tuple((op, reason) for op, reason in ((_maybe(*q[:3]), q[3]) for q in _REFUSED_QUANTS)
-                             if op is not None),
+        refused_quants=tuple((op, reason) for op, reason in (
+            *((_maybe(*q[:3]), q[3]) for q in _REFUSED_QUANTS), *((_maybe(*f.op), f.name) for f in formats.REFUSED))
+            if op is not None),
         fused_attention=lookup("fusion_pass", "vllm_attention_nvfp4", "default", hint_ours),
         fused_mla_attention=lookup("fusion_pass", "vllm_mla_attention_nvfp4", "default", hint_ours),
     )
