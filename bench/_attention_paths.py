@@ -95,11 +95,13 @@ def causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
 @dataclass
 class Path:
     """One timed path: ``call()`` runs it on the next input set; ``context()`` is entered around every
-    measurement (the SDPA backend choice), not per call; ``out`` is where its NVFP4 lands."""
+    measurement (the SDPA backend choice), not per call; ``out`` is where its NVFP4 lands; ``result``: what the
+    first call (input set 0) returned, kept for the checks."""
 
     call: Callable[[], object]
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     out: tuple | None = None  # (packed, scales) buffers, None for the bf16-only path
+    result: object = None
 
 
 def _rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:

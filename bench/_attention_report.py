@@ -7,7 +7,8 @@ where the path did not run (``errors[path]`` says why).
 
 from __future__ import annotations
 
-__all__ = ["HOST_TARGET_US", "RATIOS", "add_derived", "markdown", "per_pass_ratio", "shape_targets", "text_table"]
+__all__ = ["HOST_TARGET_US", "RATIOS", "add_derived", "header_lines", "markdown", "nvfp4_lines", "per_pass_ratio",
+           "shape_targets", "text_table"]
 
 FUSED_OVER_FA4_MAX = 1.02  # issue 19: fused <= 1.02x FA4 bf16 alone
 OVER_BEST_UNFUSED_MIN = 1.05  # fused >= 1.05x faster than the better of cuDNN + quant and FA4 + quant
@@ -160,7 +161,12 @@ STATUS = {"met": "Met", "not met": "Not met", "not measured": "Not measured"}
 
 def markdown(results: dict, meta: dict) -> str:
     """The docs section: date, device, command, method, L2 policy, the table, bandwidth, targets, errors."""
-    lines = [
+    return "\n".join(header_lines(results, meta) + nvfp4_lines(results)) + "\n"
+
+
+def header_lines(results: dict, meta: dict) -> list[str]:
+    """The section's provenance: date, device, command, method, L2 policy, cuDNN note, then a blank line."""
+    return [
         f"- Date: {meta['date']} (UTC)",
         f"- Device: {meta['device']}; torch {meta['torch']}" + "".join(
             f", {k} {meta[k]}" for k in ("triton", "cuda", "cudnn", "flash_attn") if meta.get(k)),
@@ -169,9 +175,12 @@ def markdown(results: dict, meta: dict) -> str:
         f"- L2: {results['l2_policy']}",
         f"- cuDNN and varlen: {results['cudnn_note']}",
         "",
-        markdown_table(HEADER, rows(results)),
-        "",
     ]
+
+
+def nvfp4_lines(results: dict) -> list[str]:
+    """The NVFP4 part: the table, bandwidth, targets, paths that did not run."""
+    lines = [markdown_table(HEADER, rows(results)), ""]
     bandwidth = results.get("bandwidth")
     if bandwidth:
         body = [[f"quantize bf16 [{r['m']}, {r['k']}] ({r['mib']} MiB)", fmt(r["ms"], 4), fmt(r["tbps"], 2)]
@@ -186,7 +195,7 @@ def markdown(results: dict, meta: dict) -> str:
     errors = error_lines(results)
     if errors:
         lines += ["", "Paths that did not run:", ""] + [f"- `{e}`" for e in errors]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def error_lines(results: dict, limit: int = 300) -> list[str]:

@@ -1,8 +1,8 @@
-"""Attention -> NVFP4: the fused kernel against FA4 bf16 alone, FA4 + quant and cuDNN + quant, in one run.
+"""Attention -> NVFP4 / FP8: the fused kernels against FA4 bf16 alone, FA4 + quant and cuDNN + quant, in one run.
 
 For each shape (causal, bf16; layouts MLA 16 and 128 heads with head dims (192, 128), MHA 32 heads and
 GQA 64/8 with (128, 128); batches 4x128, 32x512, 8x2048, 2x8192, and two chunked prefills, 8x512 after
-4096 cached tokens each and 1x2048 after 30000, whose keys come through cu_seqlens_k) it times
+4096 cached tokens each and 1x2048 after 30000, whose keys come through cu_seqlens_k) it times, for NVFP4
 
   fused              fusion_pass.kernels.fa4 fa4_attention_nvfp4_varlen: FA4's forward with the NVFP4
                      epilogue, into preallocated buffers;
@@ -15,12 +15,20 @@ GQA 64/8 with (128, 128); batches 4x128, 32x512, 8x2048, 2x8192, and two chunked
                      transpose to [T, H*Dv] is a copy, timed). Equal-length batches run as dense batches;
                      chunked shapes get an additive bottom-right causal mask (torch's is_causal is top-left).
 
+and with --formats fp8_static / fp8_group128 / all (float8_e4m3fn [T, H*Dv] under one static scale, or with
+float32 scales [T, H*Dv/128]; bench/_attention_formats.py): fused (FA4's SM90 FP8 epilogue from
+fusion_pass.kernels.fa4.sm90_fp8; "n/a: <reason>" where this tree or GPU has none), triton_fused (the Triton
+FP8 epilogue), FA4 bf16 (timed once per shape for every format), FA4 + quant and cuDNN + quant ([B, H, L, D]
+views) with the quant a vLLM user runs: QuantFP8's native form compiled by torch.compile (fullgraph,
+dynamic=False, per shape). The bytes are checked on the first call: the compiled quant and fused == the
+reference quantizers, Triton and cuDNN within a bound. Lighter timing defaults when an FP8 format runs.
+
 Two numbers per path: GPU time per call by CUDA-graph replay (calls captured in one graph, the graph
 replayed, CUDA events, median) and host time per call (time.perf_counter around the launch, no
 synchronization, median). Every shape is measured in --passes interleaved passes (each pass times every
 path; the order reverses between passes); a ratio is given per pass. Inputs: seeded randn, never zeros;
 L2 not flushed, inputs rotate among 3 sets when a set is smaller than 3x the L2. With the quantizer
-alone (effective TB/s at 16, 64 and 512 MiB, beside a 1 GiB copy) and issue 19's targets.
+alone (effective TB/s at 16, 64 and 512 MiB, beside a 1 GiB copy), issue 19's targets and issue 28's.
 
 --device cpu runs the same logic on PyTorch reference kernels with FA4's contract, on shapes scaled down
 by --scale (CPU wall time per call; numbers meaningless, the bytes checked): what the CPU tests use.
@@ -28,10 +36,14 @@ by --scale (CPU wall time per call; numbers meaningless, the bytes checked): wha
 Examples:
     python bench/attention.py --out "$OUT/attention.json" --markdown "$OUT/attention.md"
     python bench/attention.py --layouts mla128 --shapes 32x512,1x2048+30000 --passes 1
+    python bench/attention.py --formats all --out "$OUT/attention_fp8.json" --markdown "$OUT/attention_fp8.md"
+    python bench/attention.py --formats fp8_static,fp8_group128 --layouts mla128,gqa64 --shapes 32x512,8x2048,8x512+4096
     python bench/attention.py --device cpu --shapes 32x512 --out /tmp/a.json
+    python bench/attention.py --device cpu --formats all --shapes 4x128 --layouts gqa64
 
-Exit code 2: no CUDA device for --device cuda, or an unknown --shapes / --layouts name; 1: the fused
-path or FA4 failed at a shape where FA4 is usable (the reason is in the JSON and the table says n/a).
+Exit code 2: no CUDA device for --device cuda, or an unknown --shapes / --layouts / --formats name; 1: a fused
+path, Triton fused, FA4 or FA4 + quant failed at a shape where FA4 is usable and the kernel exists (the reason
+is in the JSON and the table says n/a), or a byte check that must hold did not.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import time
 import traceback
 import warnings
 from datetime import datetime, timezone
@@ -56,6 +69,8 @@ if importlib.util.find_spec("fusion_pass") is None:  # a checkout without `pip i
 if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
+import _attention_formats as formats  # noqa: E402
+import _attention_fp8_report as fp8_report  # noqa: E402
 import _attention_report as report  # noqa: E402
 import _timing  # noqa: E402
 from _attention_paths import PATHS, build_paths, check_outputs, input_sets_needed, make_inputs  # noqa: E402
@@ -65,6 +80,11 @@ from _quant_bandwidth import measure_quant_bandwidth, quant_targets  # noqa: E40
 
 FA4_PATHS = ("fused", "fa4", "fa4_quant")
 CUDNN_PATHS = ("cudnn_quant_bshd", "cudnn_quant_bhsd")
+FP8_FAILING = ("fused", "triton_fused", "fa4", "fa4_quant")
+TIMING_DEFAULTS = {"nvfp4": {"replays": 10, "graph_ms": 20.0, "host_calls": 100, "host_ms": 300.0},
+                   "fp8": {"replays": 5, "graph_ms": 10.0, "host_calls": 50, "host_ms": 60.0}}
+"""Timing defaults: NVFP4 alone as before; a run with an FP8 format (2.6x the paths with --formats all) lighter, so
+that the 24 shapes stay within minutes (CUDA-graph replays of >= 10 ms still; every value in the method line)."""
 CPU_SCALE = 32
 
 CUDNN_NOTE = ("torch SDPA with SDPBackend.CUDNN_ATTENTION forced; every batch has equal lengths, so it runs as a "
@@ -97,12 +117,13 @@ def new_record(shape: Shape, passes: int) -> dict:
 
 
 def first_call(path) -> str | None:
-    """Run a path once (compiles, autotunes, surfaces refusals); the reason when it raises."""
+    """Run a path once (compiles, autotunes, surfaces refusals; what it returns kept in ``path.result``); the
+    reason when it raises."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with path.context():
-                path.call()
+                path.result = path.call()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - a refusal is a result here
@@ -130,78 +151,127 @@ def time_path(path, *, cuda: bool, opts: argparse.Namespace) -> dict:
             "note": note}
 
 
-def measure_shape(kernels: Kernels, shape: Shape, *, device, opts: argparse.Namespace) -> dict:
-    """Every path of one shape, ``opts.passes`` interleaved passes."""
+def measure_shape(kernels: Kernels, shape: Shape, *, device, opts: argparse.Namespace,
+                  fp8_kernels: formats.Fp8Kernels | None = None) -> tuple[dict | None, dict[str, dict]]:
+    """Every path of one shape and every format of ``opts.formats``, ``opts.passes`` interleaved passes (FA4 bf16
+    alone timed once, shared): ``(the NVFP4 record or None, {FP8 format: its record})``."""
     cuda = torch.device(device).type == "cuda"
+    names = getattr(opts, "formats", ("nvfp4",))
     record = new_record(shape, opts.passes)
     lay = shape.layout
     first = make_inputs(shape, opts.seed, device)
     n_sets = input_sets_needed(first.nbytes) if cuda else 1
     sets = [first] + [make_inputs(shape, opts.seed + i, device) for i in range(1, n_sets)]
     record["input_sets"] = n_sets
+    fp8_names = [f for f in names if f != "nvfp4"]
+    fp8_records = {f: formats.new_fp8_record(record, f, opts.passes) for f in fp8_names}
     skip = {}
     if cuda:
         ok, why = fa4_status(device, torch.bfloat16, lay.heads, lay.dqk, lay.dv)
         if not ok:
             skip.update({p: f"FA4 unavailable: {why}" for p in FA4_PATHS})
+            skip.update({f"{f}/{p}": f"FA4 unavailable: {why}" for f in fp8_names for p in ("fused", "fa4_quant")})
         ok, why = cudnn_status()
         if not ok:
             skip.update({p: f"cuDNN unavailable: {why}" for p in CUDNN_PATHS})
+            skip.update({f"{f}/cudnn_quant": f"cuDNN unavailable: {why}" for f in fp8_names})
     # Global scale: 448 * 6 / amax of the bf16 attention output (of |v| when FA4 does not run here).
-    amax = None
+    amax = x_ref = None
     if "fa4" not in skip:
         try:
-            amax = kernels.attention(first.q, first.k, first.v, first.cu_seqlens, first.max_seqlen, causal=True,
-                                     softmax_scale=lay.dqk**-0.5, cu_seqlens_k=first.cu_seqlens_k,
-                                     max_seqlen_k=first.max_seqlen_k).abs().amax().float().item()
+            x_ref = kernels.attention(first.q, first.k, first.v, first.cu_seqlens, first.max_seqlen, causal=True,
+                                      softmax_scale=lay.dqk**-0.5, cu_seqlens_k=first.cu_seqlens_k,
+                                      max_seqlen_k=first.max_seqlen_k).view(shape.tokens, -1)
+            amax = x_ref.abs().amax().float().item()
         except Exception as exc:  # noqa: BLE001
             skip.update({p: f"FA4 bf16 failed: {describe_error(exc)}" for p in FA4_PATHS})
+            skip.update({f"{f}/{p}": f"FA4 bf16 failed: {describe_error(exc)}" for f in fp8_names
+                         for p in ("fused", "fa4_quant")})
     if not amax:
         amax = first.v.abs().amax().float().item()
     gs = torch.full((1,), 448.0 * 6.0 / amax, dtype=torch.float32, device=device)
     record["global_scale"] = gs.item()
     paths = build_paths(kernels, shape, sets, gs, device)
-    record["errors"].update(skip)
-    ran = set()
+    if "nvfp4" not in names:
+        paths = {"fa4": paths["fa4"]}
+    if fp8_names:
+        scale, inv = formats.static_scale(amax, device)
+        formats.reset_compiled()
+    for f in fp8_names:
+        fp8_records[f]["scale"] = scale.item() if f == "fp8_static" else None
+        for p, path in formats.build_fp8_paths(fp8_kernels, kernels.attention, f, shape, sets, inv, device).items():
+            if isinstance(path, str):
+                skip.setdefault(f"{f}/{p}", path)
+            else:
+                paths[f"{f}/{p}"] = path
+    ran, first_s = set(), {}
     for name, path in paths.items():
         if name in skip:
             continue
+        t0 = time.perf_counter()
         error = first_call(path)
+        first_s[name] = time.perf_counter() - t0  # compiles included
         if error is None:
             ran.add(name)
         else:
-            record["errors"][name] = error
-    record["check"] = check_outputs(paths, ran)
-    order = [p for p in PATHS if p in ran]
+            skip[name] = error
+    record["errors"].update({p: e for p, e in skip.items() if "/" not in p})
+    record["check"] = check_outputs(paths, ran) if "nvfp4" in names else {}
+    for f, r in fp8_records.items():
+        r["errors"].update({p.split("/", 1)[1]: e for p, e in skip.items() if p.startswith(f + "/")})
+        r["errors"].update({"fa4": e for p, e in skip.items() if p == "fa4"})
+        r["first_call_s"] = {p.rpartition("/")[2]: t for p, t in first_s.items() if p.startswith(f + "/") or p == "fa4"}
+        results = {p.split("/", 1)[1]: paths[p].result for p in ran if p.startswith(f + "/")}
+        r["check"], r["check_failures"] = formats.check_fp8(f, results, x_ref, scale, inv)
+    for path in paths.values():
+        path.result = None  # the first calls' outputs: no longer needed
+    order = [p for p in list(PATHS) + [k for k in paths if "/" in k] if p in ran]
     for n in range(opts.passes):
         for name in order if n % 2 == 0 else order[::-1]:
+            f, _, p = name.rpartition("/")
+            targets = [record] if not f else [fp8_records[f]]
+            if name == "fa4":
+                targets += list(fp8_records.values())
             try:
                 t = time_path(paths[name], cuda=cuda, opts=opts)
             except Exception as exc:  # noqa: BLE001
-                record["errors"][f"{name} (pass {n + 1})"] = describe_error(exc)
+                for r in targets:
+                    r["errors"][f"{p} (pass {n + 1})"] = describe_error(exc)
                 continue
-            record["ms"][name][n], record["host_us"][name][n] = t["ms"], t["host_us"]
-            record["samples_ms"][name].append(t["samples_ms"])
-            record["calls_per_graph"][name] = t["calls"]
-            if t["note"]:
-                record["timing_notes"][name] = t["note"]
-    return report.add_derived(record, opts.passes)
+            for r in targets:
+                r["ms"][p][n], r["host_us"][p][n] = t["ms"], t["host_us"]
+                r["samples_ms"][p].append(t["samples_ms"])
+                r["calls_per_graph"][p] = t["calls"]
+                if t["note"]:
+                    r["timing_notes"][p] = t["note"]
+    fp8_out = {f: fp8_report.add_derived(r, opts.passes) for f, r in fp8_records.items()}
+    return (report.add_derived(record, opts.passes) if "nvfp4" in names else None), fp8_out
 
 
-def run(kernels: Kernels, shapes: list[Shape], *, device, opts: argparse.Namespace, on_shape=None) -> dict:
-    """Every shape (and the quantizer alone on CUDA unless --no-quant): the results document without meta.
-    ``on_shape(records)`` runs after each shape (the partial JSON, should the run be cut short)."""
+def run(kernels: Kernels, shapes: list[Shape], *, device, opts: argparse.Namespace, on_shape=None,
+        fp8_kernels: formats.Fp8Kernels | None = None) -> dict:
+    """Every shape (and the quantizer alone on CUDA unless --no-quant, with nvfp4): the results document without
+    meta. ``on_shape(records, fp8_records)`` runs after each shape (the partial JSON, should the run be cut short)."""
     cuda = torch.device(device).type == "cuda"
-    records = []
+    names = getattr(opts, "formats", ("nvfp4",))
+    records, fp8 = [], {f: [] for f in names if f != "nvfp4"}
     for i, shape in enumerate(shapes, 1):
-        r = measure_shape(kernels, shape, device=device, opts=opts)
-        records.append(r)
-        ms = r["ms"]
-        print(f"[{i}/{len(shapes)}] {shape.label}: fused {report.fmt(report._mid(ms['fused']))} ms, "
-              f"FA4 {report.fmt(report._mid(ms['fa4']))}, FA4+quant {report.fmt(report._mid(ms['fa4_quant']))}, "
-              f"cuDNN+quant {report.fmt(report._mid(ms['cudnn_quant']))}", flush=True)
+        t0 = time.perf_counter()
+        r, fp8_records = measure_shape(kernels, shape, device=device, opts=opts, fp8_kernels=fp8_kernels)
+        if r is not None:
+            records.append(r)
+            ms = r["ms"]
+            print(f"[{i}/{len(shapes)}] {shape.label}: fused {report.fmt(report._mid(ms['fused']))} ms, "
+                  f"FA4 {report.fmt(report._mid(ms['fa4']))}, FA4+quant {report.fmt(report._mid(ms['fa4_quant']))}, "
+                  f"cuDNN+quant {report.fmt(report._mid(ms['cudnn_quant']))}", flush=True)
+        for f, x in fp8_records.items():
+            x["seconds"] = time.perf_counter() - t0  # the shape's whole measurement, every format
+            fp8[f].append(x)
+            print(f"[{i}/{len(shapes)}] {shape.label} {f}: " + ", ".join(
+                f"{p} {report.fmt(report._mid(x['ms'][p]))}" for p in formats.FP8_PATHS)
+                + f" ms ({x['seconds']:.0f} s)", flush=True)
         if on_shape is not None:
-            on_shape(records)
+            on_shape(records, fp8)
         if cuda:
             torch.cuda.empty_cache()
     method = (f"GPU time per call by CUDA-graph replay (calls captured in one graph so that a replay lasts about "
@@ -219,10 +289,17 @@ def run(kernels: Kernels, shapes: list[Shape], *, device, opts: argparse.Namespa
                "method": method, "l2_policy": _timing.L2_POLICY if cuda else "n/a (CPU)",
                "cudnn_note": CUDNN_NOTE if cuda else "CPU: torch SDPA's math backend stands in for cuDNN",
                "shapes": records, "bandwidth": None}
-    if cuda and not opts.no_quant:
+    if cuda and not opts.no_quant and "nvfp4" in names:
         results["bandwidth"] = measure_quant_bandwidth(kernels, device=device, seed=opts.seed, replays=opts.replays,
                                                        target_ms=opts.graph_ms)
     results["targets"] = report.shape_targets(results) + (quant_targets(results["bandwidth"]) if cuda else [])
+    if fp8:
+        results["formats"] = list(names)
+        if "nvfp4" not in names:
+            results["targets"] = []
+        results["fp8_note"] = formats.fp8_note(cuda)
+        results["fp8"] = {f: {"format": formats.by_name(f).key, "shapes": rs,
+                              "targets": fp8_report.targets(f, rs, results["device_type"])} for f, rs in fp8.items()}
     return results
 
 
@@ -260,14 +337,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma list of batches: 4x128, 32x512, 8x2048, 2x8192, 8x512+4096, 1x2048+30000 "
                              "(BxQ[+context]; default all)")
     parser.add_argument("--layouts", metavar="LIST", help="comma list of mla16, mla128, mha32, gqa64 (default all)")
+    parser.add_argument("--formats", metavar="LIST", default="nvfp4",
+                        help="comma list of output formats: nvfp4, fp8_static, fp8_group128, or all (default nvfp4); "
+                             "FA4 bf16 alone is timed once per shape for all of them")
     parser.add_argument("--passes", type=int, default=2, help="interleaved passes per shape (default 2)")
-    parser.add_argument("--replays", type=int, default=10, help="timed graph replays per path and pass (default 10)")
-    parser.add_argument("--graph-ms", type=float, default=20.0,
-                        help="capture about this many ms of calls in one graph (default 20)")
-    parser.add_argument("--host-calls", type=int, default=100, help="host-timed calls per path and pass, at most "
-                        "(default 100; fewer when a call's GPU time is long, see --host-ms)")
-    parser.add_argument("--host-ms", type=float, default=300.0,
-                        help="GPU time the host-timed calls of one path may take, ms (default 300)")
+    parser.add_argument("--replays", type=int, help="timed graph replays per path and pass (default 10; 5 when an "
+                                                     "FP8 format runs)")
+    parser.add_argument("--graph-ms", type=float,
+                        help="capture about this many ms of calls in one graph (default 20; 10 when an FP8 format "
+                             "runs)")
+    parser.add_argument("--host-calls", type=int, help="host-timed calls per path and pass, at most (default 100; 50 "
+                        "when an FP8 format runs; fewer when a call's GPU time is long, see --host-ms)")
+    parser.add_argument("--host-ms", type=float, help="GPU time the host-timed calls of one path may take, ms "
+                        "(default 300; 60 when an FP8 format runs)")
     parser.add_argument("--scale", type=int, help=f"divide lengths and heads by this (default 1 on cuda, "
                                                   f"{CPU_SCALE} on cpu)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
@@ -278,10 +360,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "table, targets) to PATH")
     args = parser.parse_args(argv)
     for name in ("passes", "replays", "host_calls"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.graph_ms <= 0 or args.host_ms <= 0 or (args.scale is not None and args.scale < 1):
+    if (args.graph_ms is not None and args.graph_ms <= 0) or (args.host_ms is not None and args.host_ms <= 0) or (
+            args.scale is not None and args.scale < 1):
         parser.error("--graph-ms and --host-ms must be > 0, --scale >= 1")
+    for name, value in TIMING_DEFAULTS["nvfp4"].items():  # main() takes the FP8 ones where an FP8 format runs
+        setattr(args, f"{name}_given", getattr(args, name) is not None)
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.scale is None:
         args.scale = CPU_SCALE if args.device == "cpu" else 1
     return args
@@ -291,10 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     args = parse_args(argv[1:])
     try:
+        args.formats = formats.parse_formats(args.formats)
         shapes = select_shapes(args.shapes, args.layouts, scale=args.scale)
     except ValueError as exc:
         print(f"bench/attention.py: {exc}", file=sys.stderr)
         return 2
+    fp8_names = [f for f in args.formats if f != "nvfp4"]
+    for name, value in TIMING_DEFAULTS["fp8" if fp8_names else "nvfp4"].items():
+        if not getattr(args, f"{name}_given"):
+            setattr(args, name, value)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print(f"bench/attention.py --device cuda needs a CUDA GPU; torch.cuda.is_available() is False here "
@@ -303,15 +395,20 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         kernels = fa4_kernels()
         device = torch.device("cuda")
+        fp8_kernels = formats.fa4_fp8_kernels(device) if fp8_names else None
     else:
         kernels, device = reference_kernels(), torch.device("cpu")
+        fp8_kernels = formats.reference_fp8_kernels()
     meta = collect_meta(argv, device)
-    def partial(records):
+    def partial(records, fp8_records):
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"meta": meta, "partial": True, "shapes": records}, indent=1))
+            doc = {"meta": meta, "partial": True, "shapes": records}
+            if fp8_records:
+                doc["fp8"] = {f: {"shapes": rs} for f, rs in fp8_records.items()}
+            args.out.write_text(json.dumps(doc, indent=1))
 
-    results = run(kernels, shapes, device=device, opts=args, on_shape=partial)
+    results = run(kernels, shapes, device=device, opts=args, on_shape=partial, fp8_kernels=fp8_kernels)
     doc = {"meta": meta, "partial": False, **results}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -319,19 +416,56 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}")
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(report.markdown(results, meta))
+        args.markdown.write_text(markdown(results, meta))
         print(f"wrote {args.markdown}")
     print()
-    print(f"attention -> NVFP4 on {meta['device']} ({kernels.name} kernels), {meta['date']} UTC; {results['method']}")
+    what = "/".join(f.upper() if f == "nvfp4" else f for f in args.formats)
+    print(f"attention -> {what} on {meta['device']} ({kernels.name} kernels), {meta['date']} UTC; {results['method']}")
     print(f"L2: {results['l2_policy']}")
-    print(report.text_table(report.HEADER, report.rows(results)))
-    for line in report.error_lines(results):
-        print(f"did not run: {line}")
-    for t in results["targets"]:
-        print(f"[{report.STATUS[t['status']]}] ({t['id']}) {t['text']}: {t['measured']}")
-    failed = [line for r in results["shapes"] for p, line in r["errors"].items()
-              if p.split(" ")[0] in FA4_PATHS and not line.startswith("FA4 unavailable")]
+    if "nvfp4" in args.formats:
+        print(report.text_table(report.HEADER, report.rows(results)))
+        for line in report.error_lines(results):
+            print(f"did not run: {line}")
+        for t in results["targets"]:
+            print(f"[{report.STATUS[t['status']]}] ({t['id']}) {t['text']}: {t['measured']}")
+    for f, block in results.get("fp8", {}).items():
+        print(f"\n{block['format']}")
+        print(report.text_table(fp8_report.HEADER, fp8_report.rows(block["shapes"])))
+        for line in fp8_report.error_lines(block["shapes"]):
+            print(f"did not run: {line}")
+        for t in block["targets"]:
+            print(f"[{report.STATUS[t['status']]}] ({t['id']}) {t['text']}: {t['measured']}")
+        for line in fp8_report.check_lines(block["shapes"]):
+            print(f"check: {line}")
+    failed = failures(results)
+    if "fp8" in results:
+        for line in failed:
+            print(f"FAILED: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def markdown(results: dict, meta: dict) -> str:
+    """The docs section: the NVFP4 one unchanged (``--formats nvfp4``), then a section per FP8 format."""
+    if "fp8" not in results:
+        return report.markdown(results, meta)
+    lines = report.header_lines(results, meta)
+    if "nvfp4" in results["formats"]:
+        lines += ["### NVFP4", ""] + report.nvfp4_lines(results) + [""]
+    lines += [f"FP8 paths: {results['fp8_note']}.", ""]
+    return "\n".join(lines) + "\n" + "\n".join(fp8_report.markdown_section(f, b) for f, b in results["fp8"].items())
+
+
+def failures(results: dict) -> list[str]:
+    """What makes the exit code 1: a project kernel (fused, Triton fused, FA4 bf16, FA4 + quant) that failed where
+    FA4 is usable and its kernel exists (not ``FA4 unavailable`` / ``n/a``), or a byte check that must hold."""
+    out = [line for r in results["shapes"] for p, line in r["errors"].items()
+           if p.split(" ")[0] in FA4_PATHS and not line.startswith("FA4 unavailable")]
+    for f, block in results.get("fp8", {}).items():
+        for r in block["shapes"]:
+            out += [f"{f} {r['label']}, {p}: {e}" for p, e in r["errors"].items()
+                    if p.split(" ")[0] in FP8_FAILING and not e.startswith(("FA4 unavailable", "n/a"))]
+            out += [f"{r['label']}: {x}" for x in r["check_failures"]]
+    return out
 
 
 if __name__ == "__main__":
