@@ -6,11 +6,13 @@ runs, errors :class:`~fusion_pass.nvfp4.ArgumentError` naming the argument):
 * :func:`attention_fp8_group` -> ``(float8_e4m3fn [T, H*Dv], float32 scales [T, H*Dv/128])``, one dynamic scale
   per row and 128 columns, in any of the three :class:`fusion_pass.fp8.ScaleLayout`.
 
-Backends (``backend=``): ``triton`` (:mod:`fusion_pass.kernels.triton.flash_attention`'s FP8 epilogues: the bytes
-of :mod:`fusion_pass.fp8`'s reference quantizers applied to the kernel's own float32 output), ``reference``
-(float32 PyTorch attention per sequence, then those quantizers; any device), ``auto`` (``triton`` for CUDA
-tensors when Triton imports and the call fits its kernel, else ``reference``). ``fa4`` is refused: FA4 has no
-FP8 epilogue yet (:func:`fusion_pass.kernels.choice.choose_fp8`).
+Backends (``backend=``): ``fa4`` (FA4's SM90 forward with FP8 epilogues, :mod:`fusion_pass.kernels.fa4.sm90_fp8`:
+the bytes of :mod:`fusion_pass.fp8`'s reference quantizers applied to FA4's own bf16/fp16 output; H100/H200, FA4's
+SM90 head dims, ``Dv % 128 == 0`` for the group format), ``triton``
+(:mod:`fusion_pass.kernels.triton.flash_attention`'s FP8 epilogues: those quantizers applied to the kernel's own
+float32 output), ``reference`` (float32 PyTorch attention per sequence, then those quantizers; any device),
+``auto`` (``fa4`` where it runs the call, else ``triton`` for CUDA tensors when Triton imports and the call fits its
+kernel, else ``reference``; :func:`fusion_pass.kernels.choice.choose_fp8`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fusion_pass.kernels import reference
 from fusion_pass.kernels.api import check_attention
 from fusion_pass.kernels.checks import check_fp8_group, check_fp8_static, check_static_nan
 from fusion_pass.kernels.choice import choose_fp8
+from fusion_pass.kernels.fa4.common import address
 
 __all__ = ["attention_fp8_group", "attention_fp8_static"]
 
@@ -63,7 +66,7 @@ def attention_fp8_static(
 
     Returns:
         float8_e4m3fn ``[T, H*Dv]`` (row = token, column ``h*Dv + d``): :func:`fusion_pass.fp8.quantize_static`
-        of the backend's float32 attention output.
+        of the backend's attention output (float32; ``fa4``: FA4's own bf16/fp16 output).
     """
     fn = "attention_fp8_static"
     rule = check_static_nan(fn, nan)
@@ -80,6 +83,16 @@ def attention_fp8_static(
                                           nan=rule, causal=causal, softmax_scale=sm_scale, output=output,
                                           cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
     t, h, dv = q.shape[0], q.shape[1], v.shape[2]
+    if chosen == "fa4":
+        from fusion_pass.kernels.fa4.sm90_fp8 import fa4_attention_fp8_static_varlen
+
+        inv = scale if scale_is_inverse else fp8.reciprocal(scale)
+        dest = _fa4_output(output, t, h * dv, q.device)
+        fa4_attention_fp8_static_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=sm_scale,
+                                        causal=causal, output=dest, inv_scale=inv,
+                                        nan_to_max=rule is fp8.NaNRule.POSITIVE_MAX, cu_seqlens_k=cu_seqlens_k,
+                                        max_seqlen_k=max_seqlen_k)
+        return _into(dest, output)
     out = reference.varlen_attention(q, k, v, cu_seqlens, causal, sm_scale, cu_seqlens_k)[0]
     inv = scale if scale_is_inverse else fp8.reciprocal(scale)
     return _into(fp8.quantize_static(out.reshape(t, h * dv), inv, nan=rule), output)
@@ -115,12 +128,13 @@ def attention_fp8_group(
       TMA-aligned column-major (strides ``(1, round_up(T, 4))``; the padding rows are not written):
       :func:`fusion_pass.fp8.group_scale_buffer` makes one. Default: a new row-major one.
 
-    ``H * Dv`` must be divisible by 128 (``Dv`` itself for ``triton``, whose epilogue quantizes one head at a
-    time). Per row and group: ``s = max(1e-10, max |o_g|) / 448`` (NaN elements left out), a NaN quotient -> -448.
+    ``H * Dv`` must be divisible by 128 (``Dv`` itself for ``triton`` and ``fa4``, whose epilogues quantize one
+    head at a time). Per row and group: ``s = max(1e-10, max |o_g|) / 448`` (NaN elements left out), a NaN
+    quotient -> -448.
 
     Returns:
-        ``(output, scales)``: :func:`fusion_pass.fp8.quantize_group` of the backend's float32 attention output,
-        the scales in the given buffer's layout.
+        ``(output, scales)``: :func:`fusion_pass.fp8.quantize_group` of the backend's attention output (float32;
+        ``fa4``: FA4's own bf16/fp16 output), the scales in the given buffer's layout.
     """
     fn = "attention_fp8_group"
     chosen, sm_scale, max_seqlen_k = check_attention(
@@ -136,6 +150,16 @@ def attention_fp8_group(
                                          softmax_scale=sm_scale, output=output, scales=scales,
                                          cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
     t, h, dv = q.shape[0], q.shape[1], v.shape[2]
+    if chosen == "fa4":
+        from fusion_pass.kernels.fa4.sm90_fp8 import fa4_attention_fp8_group_varlen
+
+        dest = _fa4_output(output, t, h * dv, q.device)
+        if scales is None:
+            scales = fp8.group_scale_buffer(t, h * dv, device=q.device)
+        fa4_attention_fp8_group_varlen(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=sm_scale,
+                                       causal=causal, output=dest, scales=scales, ue8m0=ue8m0, divide=divide,
+                                       cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+        return _into(dest, output), scales
     out = reference.varlen_attention(q, k, v, cu_seqlens, causal, sm_scale, cu_seqlens_k)[0]
     got, got_scales = fp8.quantize_group(out.reshape(t, h * dv), ue8m0=ue8m0, divide=divide)
     if scales is None:
@@ -144,9 +168,17 @@ def attention_fp8_group(
     return _into(got, output), scales
 
 
+def _fa4_output(output: Tensor | None, t: int, width: int, device) -> Tensor:
+    """Where FA4's epilogue writes: ``output`` when it is contiguous and 16-byte aligned (its 8-byte stores), else a
+    new ``[T, H*Dv]`` buffer (copied into ``output`` afterwards by :func:`_into`)."""
+    if output is not None and output.is_contiguous() and address(output) % 16 == 0:
+        return output
+    return torch.empty(t, width, dtype=fp8.FP8, device=device)
+
+
 def _into(q8: Tensor, output: Tensor | None) -> Tensor:
     """``q8``, or ``output`` holding its bytes."""
-    if output is None:
+    if output is None or output is q8:
         return q8
     output.view(torch.uint8).copy_(q8.view(torch.uint8))
     return output

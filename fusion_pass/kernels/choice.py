@@ -15,6 +15,7 @@ import torch
 
 from fusion_pass import fp8, nvfp4
 from fusion_pass.kernels.fa4.forward import fa4_usable as fa4_layer_usable
+from fusion_pass.kernels.fa4.sm90 import fa4_sm90_usable
 from fusion_pass.nvfp4 import ArgumentError
 
 ATTENTION_BACKENDS = ("auto", "triton", "fa4", "reference")
@@ -107,17 +108,35 @@ def choose_merge(fn: str, backend, out_a: Tensor) -> str:
     return chosen
 
 
-FP8_FA4_UNAVAILABLE = "FA4 has no FP8 output epilogue yet (issue 28); use backend 'triton' or 'reference'"
+FP8_FA4_GENERATIONS = "FA4's FP8 epilogues are SM90's (H100/H200) only"
+
+
+def fa4_fp8_usable(q: Tensor, v: Tensor, *, group: bool) -> tuple[bool, str]:
+    """Whether FA4's SM90 FP8 kernels (:mod:`fusion_pass.kernels.fa4.sm90_fp8`) run this call: ``(ok, why)``.
+    :func:`fusion_pass.kernels.fa4.sm90.fa4_sm90_usable` (an SM90 device, FA4 importable, supported head dims),
+    and for the group format ``Dv % 128 == 0``."""
+    ok, why = fa4_sm90_usable(q.device, q.dtype, q.shape[1], q.shape[2], v.shape[2])
+    if not ok:
+        return False, f"{why} ({FP8_FA4_GENERATIONS})"
+    if group and v.shape[2] % fp8.GROUP_SIZE:
+        return False, (f"FA4's group epilogue needs v's head dim Dv divisible by {fp8.GROUP_SIZE} (a head's tile "
+                       f"holds whole 128-column groups), got {v.shape[2]}")
+    return True, "ok"
 
 
 def choose_fp8(fn: str, backend, q: Tensor, v: Tensor, *, group: bool) -> str:
-    """The backend of an FP8-output attention call (``group``: the 128-column group format, whose fused kernel
-    needs ``Dv % 128 == 0``): ``auto`` is ``triton`` for CUDA tensors when Triton imports and the call fits its
-    kernel, else ``reference``; a named ``triton`` raises (RuntimeError) where Triton cannot run, and
-    (:class:`ArgumentError`) where ``Dv`` does not fit; ``fa4`` is refused (:data:`FP8_FA4_UNAVAILABLE`)."""
+    """The backend of an FP8-output attention call (``group``: the 128-column group format, whose fused kernels
+    need ``Dv % 128 == 0``): ``auto`` is ``fa4`` where FA4's SM90 FP8 kernels run the call
+    (:func:`fa4_fp8_usable`), else ``triton`` for CUDA tensors when Triton imports and the call fits its kernel,
+    else ``reference``; a named ``fa4`` or ``triton`` raises (RuntimeError, with the reason) where it cannot run,
+    and a named ``triton`` (:class:`ArgumentError`) where ``Dv`` does not fit."""
     check_backend_name(fn, backend)
-    if backend == "fa4":
-        raise ArgumentError(f"{fn}: backend 'fa4' is unavailable: {FP8_FA4_UNAVAILABLE}")
+    if backend in ("auto", "fa4"):
+        ok, why = fa4_fp8_usable(q, v, group=group)
+        if ok:
+            return "fa4"
+        if backend == "fa4":
+            raise RuntimeError(f"{fn}: backend 'fa4' is unavailable: {why}")
     dv = v.shape[2]
     fits = not group or dv % fp8.GROUP_SIZE == 0
     chosen = triton_or_reference(fn, backend, q.device, fits=fits)

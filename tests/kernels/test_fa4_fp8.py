@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from fusion_pass import fp8
-from fusion_pass.kernels.fa4 import sm90 as fa4_sm90
+from fusion_pass.kernels.fa4 import sm90 as fa4_sm90, sm90_fp8 as fa4_fp8
 from fusion_pass.nvfp4 import ArgumentError
 
 from sm90_gpu import gpu  # noqa: E402
@@ -95,11 +95,11 @@ def _cpu_args(h=4, hkv=4, d=128, dv=128, t=10):
 )
 def test_fp8_entry_rejects_bad_arguments_before_importing_fa4(change, match, monkeypatch):
     monkeypatch.setattr(fa4_sm90, "fa4_interface", lambda: pytest.fail("FA4 imported before the checks"))
-    monkeypatch.setattr(fa4_sm90, "compile_fp8_static_kernel",
+    monkeypatch.setattr(fa4_fp8, "compile_fp8_static_kernel",
                         lambda *a, **k: pytest.fail("compiled before the checks"))
     args = change(_cpu_args())
     with pytest.raises(ArgumentError, match=f"^{FN}: .*{match}"):
-        fa4_sm90.fa4_attention_fp8_static_varlen(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+        fa4_fp8.fa4_attention_fp8_static_varlen(args.pop("q"), args.pop("k"), args.pop("v"), **args)
 
 
 def test_fp8_entry_accepts_its_arguments_and_zero_tokens_does_nothing(monkeypatch):
@@ -113,24 +113,24 @@ def test_fp8_entry_accepts_its_arguments_and_zero_tokens_does_nothing(monkeypatc
                      cu_k is cu))
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(fa4_sm90, "compile_fp8_static_kernel", fake_compile)
+    monkeypatch.setattr(fa4_fp8, "compile_fp8_static_kernel", fake_compile)
     for inv in (torch.ones(1), torch.ones(()), torch.ones(1, 1), torch.ones(2)[::2]):
         for nan_to_max in (True, False):
             args = {**_cpu_args(), "inv_scale": inv, "nan_to_max": nan_to_max}
             with pytest.raises(RuntimeError, match="stop"):
-                fa4_sm90.fa4_attention_fp8_static_varlen(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+                fa4_fp8.fa4_attention_fp8_static_varlen(args.pop("q"), args.pop("k"), args.pop("v"), **args)
     assert seen == [(torch.uint8, (10, 512), (1,), (1,), rule, True) for _ in range(4) for rule in (True, False)]
     args = _cpu_args(t=0)
     args["cu_seqlens"] = torch.tensor([0, 0], dtype=torch.int32)
-    fa4_sm90.fa4_attention_fp8_static_varlen(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    fa4_fp8.fa4_attention_fp8_static_varlen(args.pop("q"), args.pop("k"), args.pop("v"), **args)
     assert len(seen) == 8
 
 
 def test_fp8_entry_module_imports_without_fa4():
-    code = "import sys, fusion_pass.kernels.fa4.sm90 as m; m.fa4_attention_fp8_static_varlen; " \
+    code = "import sys, fusion_pass.kernels.fa4.sm90_fp8 as m; m.fa4_attention_fp8_static_varlen; " \
            "print(any(n.startswith(('flash_attn', 'cutlass')) for n in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False", "importing sm90 imported FA4"
+    assert out.strip() == "False", "importing sm90_fp8 imported FA4"
 
 
 # ---------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_sm90_fp8_kernel_compiles_on_the_cpu():
     code = textwrap.dedent("""
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from fusion_pass.kernels.fa4 import common, sm90 as fa4_sm90
+        from fusion_pass.kernels.fa4 import common, sm90_fp8 as fa4_fp8
         cases = ((16, 16, 192, 128, torch.bfloat16, None, True),   # MLA
                  (32, 8, 128, 128, torch.float16, None, True),     # GQA
                  (32, 8, 128, 128, torch.float16, None, False),    # GQA, NaN -> 0x7F
@@ -164,7 +164,7 @@ def test_sm90_fp8_kernel_compiles_on_the_cpu():
                                                  max_seqlen_k=2000)
                 inv = torch.empty(1, dtype=torch.float32, device="cuda")
                 out = torch.empty(t, h * dv, dtype=torch.float8_e4m3fn, device="cuda")
-                fa4_sm90.fa4_attention_fp8_static_varlen(q, k, v, cu_seqlens=cu, max_seqlen=700, softmax_scale=0.1,
+                fa4_fp8.fa4_attention_fp8_static_varlen(q, k, v, cu_seqlens=cu, max_seqlen=700, softmax_scale=0.1,
                                                          causal=True, output=out, inv_scale=inv,
                                                          nan_to_max=nan_to_max, **ctx)
         keys = common._caches["fusion_pass_fa4_sm90_fp8_static"].cache
@@ -236,7 +236,7 @@ def _inv_scale(ref: torch.Tensor, rng: random.Random) -> torch.Tensor:
 def _fused(q, k, v, cu, max_seqlen, inv, nan_to_max, poison):
     t, h, dv = q.shape[0], q.shape[1], v.shape[2]
     out = torch.full((t, h * dv), poison, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
-    fa4_sm90.fa4_attention_fp8_static_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen,
+    fa4_fp8.fa4_attention_fp8_static_varlen(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen,
                                              softmax_scale=q.shape[2] ** -0.5, causal=True, output=out,
                                              inv_scale=inv, nan_to_max=nan_to_max)
     torch.cuda.synchronize()

@@ -475,8 +475,6 @@ def _bad_calls():
         (group, {"v": v64, "backend": "triton"}, r"backend 'triton' needs v's head dim Dv divisible by 128 \(a head's tile holds whole 128-column groups\), "
                                                     r"got 64"),
         (group, {"v": v64, "q": q[:, :1]}, r"H \* Dv must be divisible by 128 .*got 1 \* 64"),
-        (static, {"backend": "fa4"}, r"backend 'fa4' is unavailable: FA4 has no FP8 output epilogue"),
-        (group, {"backend": "fa4"}, r"backend 'fa4' is unavailable: FA4 has no FP8 output epilogue"),
         (group, {"backend": "cuda"}, r"backend must be one of auto, triton, fa4, reference, got 'cuda'"),
         (static, {"output": fp8_out.view(torch.uint8)}, r"output must be float8_e4m3fn \[T, H\*Dv\] = \[6, 256\]"),
         (group, {"output": fp8_out[:5]}, r"output must be float8_e4m3fn \[T, H\*Dv\] = \[6, 256\], got"),

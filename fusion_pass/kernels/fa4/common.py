@@ -326,6 +326,14 @@ def fa4_interface():
     return interface
 
 
+def check_fp8_bytes(fn: str, output) -> None:
+    """An FP8 epilogue's ``output`` (its shape, dtype and device checked by the caller when not None) is there,
+    contiguous and 16-byte aligned: the epilogues store 8 bytes at a time."""
+    if output is None or not output.is_contiguous() or address(output) % 16:
+        got = "None" if output is None else f"strides {output.stride()}, address {address(output):#x}"
+        raise ArgumentError(f"{fn}: output must be a contiguous 16-byte aligned float8_e4m3fn [T, H*Dv], got {got}")
+
+
 def unused_o(q: Tensor, dv: int) -> Tensor:
     """FA4's ``mO`` argument of a fused kernel: a ``[T, H, Dv]`` view of ``q`` (FA4 builds its output
     descriptors over it; the NVFP4 output stage never stores through it, so nothing is allocated or written)."""

@@ -137,9 +137,11 @@ def config_class(max_seqlen: int, max_seqlen_k: int | None = None) -> int:
 
 
 def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, cls: int, causal: bool, *, lse=None,
-             output=None, output_scale=None, scale_bytes=None, seqused_k=None, page_table=None):
+             output=None, output_scale=None, scale_bytes=None, seqused_k=None, page_table=None, variant=None):
     """The compiled fused kernel (``fused``) or its twin, for these tensors' static properties and the
-    configuration of class ``cls`` (:func:`config_class`; compiling on a miss). With ``page_table`` (and
+    configuration of class ``cls`` (:func:`config_class`; compiling on a miss). ``variant``: another output stage
+    on the fused kernel's main loop, ``(kind, kernel_class, outputs, what)`` (the FP8 kernels of :mod:`.sm100_fp8`):
+    ``kind`` a tuple in the key, ``outputs(to_cute_tensor)`` the arguments after ``o``. With ``page_table`` (and
     ``seqused_k``; ``cu_seqlens_k`` None) ``k``/``v`` are paged caches ``[num_pages, page_size, Hkv, D|Dv]``:
     FA4's paged forward, TMA loads for ``page_size == 128`` (part of the key), cp.async loads otherwise (one
     compilation for every other page size). Works on fake ``device="cuda"`` tensors under ``FakeTensorMode``
@@ -159,13 +161,14 @@ def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, cls: int, causal
     paged = None if page_table is None else page_size == TILE_N  # None: no pages; else TMA loads or not
     cfg = kernel_config(d, dv, max_seqlen, page_size)
     dtype = interface.torch2cute_dtype_map[q.dtype]
-    kind = "nvfp4" if fused else ("twin+lse" if lse is not None else "twin")
+    kind = variant[0] if variant else "nvfp4" if fused else ("twin+lse" if lse is not None else "twin")
     tensors = (q, k, v) if page_table is None else (q, k, v, page_table)
     key = (KERNEL_VERSION, kind, dtype, d, dv, qhead_per_kvhead, causal) + tuple(cfg) + (paged,) \
         + common.layout_key(q.device, *tensors)
 
     def build():
-        kernel_class = FlashAttentionForwardSm100Nvfp4 if fused else FlashAttentionForwardSm100Twin
+        kernel_class = variant[1] if variant else FlashAttentionForwardSm100Nvfp4 if fused \
+            else FlashAttentionForwardSm100Twin
         kernel = kernel_class(
             d,
             dv,
@@ -189,7 +192,9 @@ def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, cls: int, causal
         paged_args = () if page_table is None else (to_cute_tensor(seqused_k, assumed_align=4, leading_dim=0),
                                                     to_cute_tensor(page_table, assumed_align=4, leading_dim=1))
         head = [to_cute_tensor(q), to_cute_tensor(k), to_cute_tensor(v), to_cute_tensor(o)]
-        if fused:
+        if variant:
+            head += list(variant[2](to_cute_tensor))
+        elif fused:
             head += [to_cute_tensor(output), to_cute_tensor(scale_bytes, leading_dim=0),
                      to_cute_tensor(output_scale, assumed_align=4, leading_dim=0)]
         else:
@@ -207,7 +212,8 @@ def _compile(fused: bool, q, k, v, o, cu_seqlens, cu_seqlens_k, cls: int, causal
         )
 
     pages = "" if paged is None else f", paged KV ({'TMA' if paged else 'cp.async'} loads)"
-    what = (f"the SM100 {'NVFP4' if fused else 'twin (FA4 output stage)'} attention kernel ({str(q.dtype).replace('torch.', '')}, "
+    label = variant[3] if variant else 'NVFP4' if fused else 'twin (FA4 output stage)'
+    what = (f"the SM100 {label} attention kernel ({str(q.dtype).replace('torch.', '')}, "
             f"head dims ({d}, {dv}), {qhead_per_kvhead} query heads per KV head, causal={causal}, {cfg}{pages})")
     return common.compiled("fusion_pass_fa4_sm100", key, build, what)
 

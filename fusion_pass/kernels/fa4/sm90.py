@@ -8,10 +8,10 @@ Entry points (tensors in, tensors out; no knowledge of backends or batches):
   ``nvfp4.quantize(fa4_attention_varlen(...))`` and the fused call give the same bytes by construction;
 * :func:`fa4_attention_nvfp4_varlen` — :class:`~fusion_pass.kernels.fa4.sm90_kernel.FlashAttentionForwardSm90Nvfp4`
   (FA4's SM90 kernel with an NVFP4 epilogue) writing into the caller's buffers.
-* :func:`fa4_attention_fp8_static_varlen` — that main loop with a static FP8 epilogue (``sm90_fp8_kernel.py``).
 
 Both take an optional ``cu_seqlens_k``: keys/values in their own packed workspace (cached
-context followed by the new tokens), causal aligned bottom-right as FA4 does it.
+context followed by the new tokens), causal aligned bottom-right as FA4 does it. The FP8 entry points (this main
+loop with FP8 epilogues, built by :func:`_compile`) are in :mod:`fusion_pass.kernels.fa4.sm90_fp8`.
 
 :func:`fa4_attention_paged` and :func:`fa4_attention_nvfp4_paged` are the same pair reading keys and values from
 a paged KV cache (``k_cache [num_pages, page_size, Hkv, D]``, ``seqused_k``, ``page_table``), FA4's own paged
@@ -43,11 +43,8 @@ run-time values: one compilation serves every batch of a layer and configuration
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from fusion_pass.fp8.checks import check_scale
-from fusion_pass.kernels.checks import check_bool, check_fp8_output
 from fusion_pass.kernels.fa4 import common
 from fusion_pass.kernels.fa4.common import FA4_INSTALL_HINT, FA4_VERSION, CUTLASS_DSL_VERSION, fa4_interface
 from fusion_pass.kernels.fa4.launch import FusedLauncher, PagedFusedLauncher, PagedTwinLauncher, TwinLauncher
@@ -79,7 +76,6 @@ __all__ = [
     "paged_launchers",
     "PAGED_FUSED",
     "PAGED_TWIN",
-    "FP8_KERNEL_VERSION", "compile_fp8_static_kernel", "fa4_attention_fp8_static_varlen",
 ]
 
 KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/6"
@@ -87,9 +83,6 @@ KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/6"
 
 TWIN_VERSION = "fusion_pass.fa4_sm90_twin/2"
 """First element of the twin's compile-cache key; bump it whenever ``sm90_twin.py`` changes."""
-
-FP8_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_static/1"
-"""The FP8 kernel's key starts with it and :data:`KERNEL_VERSION`; bump it whenever ``sm90_fp8_kernel.py`` changes."""
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
 """``(D, Dv)`` pairs of the fused kernel: FA4 SM90 head dims whose ``Dv`` fills the kernel's
@@ -453,46 +446,3 @@ def fa4_attention_nvfp4_paged(
     what is written as :func:`fa4_attention_nvfp4_varlen`."""
     PAGED_FUSED(q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k, softmax_scale,
                 causal, output, output_scale, output_block_scale)
-
-
-def compile_fp8_static_kernel(q, k, v, o, output_bytes, inv_scale, cu_seqlens, cu_seqlens_k, config: Sm90Config,
-                              causal, *, nan_to_max: bool = True):
-    """The compiled static FP8 kernel (``sm90_fp8_kernel.py``; NaN -> ``0x7E`` or ``0x7F``, part of the key) for
-    these tensors and ``config`` (:func:`_compile`); ``output_bytes`` uint8 ``[T, H*Dv]``, ``inv_scale`` float32
-    ``[1]``. Called as ``kernel(q, k, v, o, output_bytes, inv_scale, softmax_scale, cu_seqlens, cu_seqlens_k)``."""
-    from fusion_pass.kernels.fa4.sm90_fp8_kernel import FlashAttentionForwardSm90Fp8Static
-
-    nan_byte = 0x7E if nan_to_max else 0x7F
-    return _compile("fusion_pass_fa4_sm90_fp8_static", (FP8_KERNEL_VERSION, KERNEL_VERSION, nan_byte),
-                    lambda *a, **kw: FlashAttentionForwardSm90Fp8Static(*a, nan_byte=nan_byte, **kw), True, q, k, v,
-                    lambda cute_tensor: (cute_tensor(o), cute_tensor(output_bytes),
-                                         cute_tensor(inv_scale, assumed_align=4, leading_dim=0)),
-                    cu_seqlens, cu_seqlens_k, config, causal, f"the SM90 FP8 static attention kernel (NaN -> "
-                    f"{nan_byte:#04x})")
-
-
-def fa4_attention_fp8_static_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, max_seqlen: int,
-                                    softmax_scale: float, causal: bool, output: Tensor, inv_scale: Tensor,
-                                    nan_to_max: bool = True, cu_seqlens_k: Tensor | None = None,
-                                    max_seqlen_k: int | None = None) -> None:
-    """Attention written as static per-tensor FP8 into ``output`` (contiguous, 16-byte aligned float8_e4m3fn
-    ``[T, H*Dv]`` on q's device): on the rows of ``[cu_seqlens[0], cu_seqlens[B])`` the bytes of
-    ``fp8.quantize_static(fa4_attention_varlen(...), inv_scale, nan=...)``, no other byte touched. ``inv_scale``:
-    float32, one element, on q's device (never read on the host); ``nan_to_max``: NaN -> +448 (``0x7E``, vLLM's
-    CUDA op), else ``0x7F``. Other arguments as :func:`fa4_attention_varlen`. No launcher yet (checks every call)."""
-    fn = "fa4_attention_fp8_static_varlen"
-    check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
-    check_fp8_output(fn, output, q.shape[0], q.shape[1] * v.shape[2], q.device)  # None passes this one
-    if output is None or not output.is_contiguous() or common.address(output) % 16:
-        got = "None" if output is None else f"strides {output.stride()}, address {common.address(output):#x}"
-        raise ArgumentError(f"{fn}: output must be a contiguous 16-byte aligned float8_e4m3fn [T, H*Dv], got {got}")
-    check_scale(fn, inv_scale, q.device, name="inv_scale")
-    check_bool(fn, "nan_to_max", nan_to_max)
-    if q.shape[0] == 0:
-        return
-    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    o, out, inv = common.unused_o(q, v.shape[2]), output.view(torch.uint8), inv_scale.as_strided((1,), (1,))
-    cfg = config_for(q.shape[2], v.shape[2], causal, seqlen_class(max_seqlen, max_seqlen_k))
-    kernel = compile_fp8_static_kernel(q, k, v, o, out, inv, cu_seqlens, cu_k, cfg, causal, nan_to_max=nan_to_max)
-    if not common.is_fake_mode():  # fake tensors: compile-only checks
-        kernel(q, k, v, o, out, inv, float(softmax_scale), cu_seqlens, cu_k)

@@ -1,6 +1,6 @@
 """FlashAttention-4's SM90 forward with a static per-tensor FP8 epilogue (CuTe DSL; needs FA4).
 
-Imported only by :mod:`fusion_pass.kernels.fa4.sm90` when the FP8 kernel is compiled (it imports
+Imported only by :mod:`fusion_pass.kernels.fa4.sm90_fp8` when the FP8 kernel is compiled (it imports
 ``flash_attn.cute`` and ``cutlass`` at its top, as :mod:`.sm90_kernel` does).
 
 :class:`FlashAttentionForwardSm90Fp8Static` subclasses the NVFP4 kernel
