@@ -70,7 +70,9 @@ class BatchResult:
     backend: str | None  # the fused backend(s) that ran, e.g. "fa4" (None on fallback)
     bytes_equal_unfused: bool  # the o_proj's NVFP4 input, byte for byte, vs the unfused graph's (required on
     # fallback batches only: fused rows quantize float32 attention and are checked against err_bound instead)
-    decode_bytes_equal_unfused: bool  # the decode rows of it, byte for byte (True when there are none)
+    decode_bytes_equal_unfused: bool  # the decode rows of it, byte for byte (True when there are none; required
+    # where they are post-quantized, not where the fused backend wrote them: decode_fused)
+    decode_fused: int  # decode rows the fused backend wrote (a standard layer's one call over its paged cache)
     max_abs_err: float  # max |dequant(with pass) - dequant(unfused)| of the o_proj input
     err_bound: float  # the largest per-element bound that difference is checked against
     within_bound: bool  # every element within its bound
@@ -362,14 +364,15 @@ def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: 
                 prefill = spec.num_tokens - decode
                 calls = fused.decisions["fused"] + sum(fused.decisions["fallback"].values())
                 fused_tokens = fused.decisions["tokens"]["prefill_fused"] // max(calls, 1)
+                decode_fused = fused.decisions["tokens"]["decode_fused"] // max(calls, 1)
                 reasons = sorted(fused.decisions["fallback"])
                 path = ("fused" if prefill and fused_tokens == prefill and not reasons
                         else "partial" if fused_tokens else "fallback" if calls else "unfused")
                 diff = (unfused.output.float() - out["eager"].output.float()).abs().max().item()
                 fused_by = ",".join(sorted(fused.decisions["fused_by_backend"])) or None
                 results.append(BatchResult(name, i, spec.kind, spec.num_tokens, prefill, fused_tokens, path,
-                                           ",".join(reasons) or None, fused_by, equal, decode_equal, err, bound,
-                                           within, diff))
+                                           ",".join(reasons) or None, fused_by, equal, decode_equal, decode_fused,
+                                           err, bound, within, diff))
         run = DemoRun(results, fusion, fusion.report())
         if timing:
             for name, _, variants, hidden_size in built:
@@ -385,9 +388,10 @@ def run_demo(models=MODELS, *, tiny: bool = False, device: str = "cpu", layers: 
 
 
 NOT_COMPARED = "n/a (fused)"
-"""What the table shows under ``bytes==unfused`` for a batch whose prefill rows the fused backend wrote: those
-bytes are not expected to equal the unfused graph's (they quantize float32 attention, not its bf16 rounding);
-the batch is checked against ``bound`` instead, and its decode rows byte for byte (``decode==``)."""
+"""What the table shows under ``bytes==unfused`` for a batch whose prefill rows the fused backend wrote, and under
+``decode==`` for one whose decode rows it wrote too (a standard layer's one call over its paged cache): those bytes
+are not expected to equal the unfused graph's (they quantize float32 attention, not its bf16 rounding); the batch
+is checked against ``bound`` instead, and post-quantized decode rows byte for byte (``decode==``)."""
 
 
 def _bytes_column(r: BatchResult) -> str:
@@ -396,14 +400,18 @@ def _bytes_column(r: BatchResult) -> str:
     return str(r.bytes_equal_unfused)
 
 
+def _decode_column(r: BatchResult) -> str:
+    return NOT_COMPARED if r.decode_fused else str(r.decode_bytes_equal_unfused)
+
+
 def format_table(results: list[BatchResult]) -> str:
     header = (f"{'model':<5} {'step':>4} {'kind':<8} {'tokens':>6} {'prefill':>7} {'fused':>5}  {'path':<8} "
-              f"{'backend':<9} {'reason':<16} {'bytes==unfused':>14} {'decode==':>8} {'max|err|':>10} {'bound':>10}  "
+              f"{'backend':<9} {'reason':<16} {'bytes==unfused':>14} {'decode==':>11} {'max|err|':>10} {'bound':>10}  "
               f"{'|unfused-eager|':>15}")
     rows = [
         f"{r.model:<5} {r.step:>4} {r.kind:<8} {r.tokens:>6} {r.prefill_tokens:>7} {r.fused_tokens:>5}  {r.path:<8} "
         f"{r.backend or '-':<9} {r.reason or '-':<16} {_bytes_column(r):>14} "
-        f"{str(r.decode_bytes_equal_unfused):>8} {r.max_abs_err:>10.3e} {r.err_bound:>10.3e}"
+        f"{_decode_column(r):>11} {r.max_abs_err:>10.3e} {r.err_bound:>10.3e}"
         f"{'' if r.within_bound else '!'} {r.max_abs_diff_eager:>15.3e}"
         for r in results
     ]
@@ -414,8 +422,8 @@ def format_table(results: list[BatchResult]) -> str:
         f"prefill tokens on the fused path, per batch (each token once, whatever the number of layers): "
         f"{fused} of {prefill} ({share})",
         f"bytes==unfused: required on fallback batches; {NOT_COMPARED}: fused rows quantize float32 attention, so "
-        f"they are checked against the bound (max|err| <= bound; '!' marks a miss) and decode rows byte for byte "
-        f"(decode==)",
+        f"they are checked against the bound (max|err| <= bound; '!' marks a miss) and post-quantized decode rows "
+        f"byte for byte (decode==; {NOT_COMPARED} where one launch over the paged cache wrote them too)",
         "|unfused-eager|: the largest difference of the stack's output compiled without the pass from the same stack "
         "run eagerly (Inductor's own rounding, the baseline the pass is compared with)",
     ]

@@ -2,9 +2,15 @@
 their registration. A call is checked here (every argument, before anything runs), then handed down to the run
 time (:func:`fusion_pass.runtime.engine.attention_call.run`: guard decision, row plan, backend, kernel).
 
-Without ``output_scale`` the op writes attention in the query dtype; with it, NVFP4: ``output`` uint8
-``[T, H*Dv/2]``, ``output_scale`` the global scale (float32, one element) and ``output_block_scale`` the
-swizzled block-scale buffer (what ``scaled_fp4_quant.out`` calls ``output`` and ``output_scale``).
+Without ``output_scale`` the op writes attention in the query dtype; with it, a quantized format, read from the
+buffers (:func:`fusion_pass.formats.call_format`):
+
+* NVFP4: ``output`` uint8 ``[T, H*Dv/2]``, ``output_scale`` the global scale (float32, one element) and
+  ``output_block_scale`` the swizzled block-scale buffer (what ``scaled_fp4_quant.out`` calls ``output`` and
+  ``output_scale``);
+* static per-tensor FP8 (vLLM's convention for a static-FP8 fused attention call): ``output`` float8_e4m3fn
+  ``[T, H*Dv]`` (or ``[T, H, Dv]``) contiguous, ``output_scale`` the checkpoint's scale (float32, one element; not
+  its inverse), no ``output_block_scale``.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusion_pass import nvfp4, runtime
+from fusion_pass import formats, nvfp4, runtime
+from fusion_pass.fp8.checks import check_scale
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.nvfp4.checks import check_global_scale
 from fusion_pass.ops.library import dense, fake, impl
@@ -51,7 +58,9 @@ def _check_nvfp4_buffers(
 ) -> None:
     """The NVFP4 output contract of the attention ops, checked before any attention is computed."""
     if output_block_scale is None:
-        raise ArgumentError(f"{op}: NVFP4 output needs output_block_scale (the swizzled scale buffer)")
+        got = getattr(output, "dtype", type(output).__name__)
+        raise ArgumentError(f"{op}: NVFP4 output needs output_block_scale (the swizzled scale buffer); with "
+                            f"output_scale alone, output must be float8_e4m3fn (static FP8), got {got}")
     width = num_heads * v_head_dim
     if width % nvfp4.BLOCK_SIZE != 0:
         raise ArgumentError(
@@ -84,14 +93,37 @@ def _check_nvfp4_buffers(
             raise ArgumentError(f"{op}: {name} must be on the query's device {device}, got {tensor.device}")
 
 
-def check_attention_call(op: str, impl, spec, q: Tensor, inputs: tuple, output, output_scale, output_block_scale):
+def _check_fp8_static_buffers(op: str, t: int, num_heads: int, v_head_dim: int, device: torch.device, output,
+                              output_scale, output_block_scale) -> None:
+    """The static FP8 output contract of the attention ops (:data:`fusion_pass.formats.FP8_STATIC`), checked before
+    any attention is computed. The scale's value is not read (a scale of 0 has the format's meaning)."""
+    if output_block_scale is not None:
+        got = (f"{output_block_scale.dtype} {list(output_block_scale.shape)}" if isinstance(output_block_scale, Tensor)
+               else type(output_block_scale).__name__)
+        raise ArgumentError(
+            f"{op}: output_block_scale must be None with a float8_e4m3fn output (static per-tensor FP8: one scale, "
+            f"output_scale); FP8 with group scales is not wired to the attention ops yet, got {got}")
+    width = num_heads * v_head_dim
+    shapes = ((t, width), (t, num_heads, v_head_dim))
+    if tuple(output.shape) not in shapes or not output.is_contiguous():
+        raise ArgumentError(
+            f"{op}: static FP8 output must be a contiguous float8_e4m3fn tensor of {t * width} elements ([T, H*Dv] = "
+            f"[{t}, {width}], or [T, H, Dv]), got {output.dtype} {list(output.shape)}"
+            + ("" if output.is_contiguous() else f" (not contiguous: strides {list(output.stride())})"))
+    if output.device != device:
+        raise ArgumentError(f"{op}: output must be on the query's device {device}, got {output.device}")
+    check_scale(op, output_scale, device, name="output_scale (the static FP8 scale, not its inverse)")
+
+
+def check_attention_call(op: str, impl, spec, q: Tensor, inputs: tuple, output, output_scale, output_block_scale,
+                         output_format: formats.OutputFormat | None = None):
     """Every argument of an attention op call, before attention runs or any cache is touched.
 
     The inputs against the layer and the batch (shapes, dtypes, devices, each
     request's cached length: ``impl.check_inputs``, side-effect free), then the
-    output buffer(s) and, in the NVFP4 form, the global scale (its value on
-    CPU). Errors are ValueErrors starting with the op's name and naming the
-    op's argument.
+    output buffer(s) of the call's format (``output_format``, read from the buffers when not given:
+    :func:`fusion_pass.formats.call_format`) and its scale (NVFP4's global scale: its value on CPU). Errors are
+    ValueErrors starting with the op's name and naming the op's argument.
     """
     try:
         impl.check_inputs(*inputs, spec)
@@ -103,11 +135,19 @@ def check_attention_call(op: str, impl, spec, q: Tensor, inputs: tuple, output, 
             raise ArgumentError(f"{op}: output_block_scale was given without output_scale (the global scale)")
         _check_query_dtype_output(op, t, impl.num_heads, impl.v_head_dim, q, output)
         return
+    if not isinstance(output, Tensor):
+        raise ArgumentError(f"{op}: output must be a tensor, got {type(output).__name__}")
+    if output_format is None:
+        output_format = formats.call_format(output, output_scale, output_block_scale)
     if q.dtype not in QUANT_INPUT_DTYPES:
         raise ArgumentError(
-            f"{op}: NVFP4 output needs q of float16, bfloat16 or float32 (the unfused path quantizes "
-            f"attention in the query dtype), got {q.dtype}"
+            f"{op}: {output_format.name.upper()} output needs q of float16, bfloat16 or float32 (the unfused path "
+            f"quantizes attention in the query dtype), got {q.dtype}"
         )
+    if output_format is formats.FP8_STATIC:
+        _check_fp8_static_buffers(op, t, impl.num_heads, impl.v_head_dim, q.device, output, output_scale,
+                                  output_block_scale)
+        return
     _check_nvfp4_buffers(op, t, impl.num_heads, impl.v_head_dim, q.device, output, output_scale, output_block_scale)
 
 
@@ -136,8 +176,10 @@ def _run(op: str, q: Tensor, inputs: tuple, output, layer_name, output_scale, ou
     whose guard decision is counted under ``layer_name``."""
     impl_ = _layer(op, layer_name)
     spec = runtime.current_batch()
-    check_attention_call(op, impl_, spec, q, inputs, output, output_scale, output_block_scale)
-    attention_call.run(impl_, inputs, spec, output, output_scale, output_block_scale, layer_name=layer_name)
+    output_format = formats.call_format(output, output_scale, output_block_scale)
+    check_attention_call(op, impl_, spec, q, inputs, output, output_scale, output_block_scale, output_format)
+    attention_call.run(impl_, inputs, spec, output, output_scale, output_block_scale, layer_name=layer_name,
+                       output_format=output_format)
 
 
 @impl("attention_with_output")

@@ -14,6 +14,11 @@ flags; the sums are built when something reads them (:func:`counters`, :func:`fo
 :data:`FOLD_AT` calls wait, grouped by decision object (the guard hands the same object to every layer of a step
 and to every decode-only step of a size). What a reader sees is exactly what a per-call sum would give.
 
+Output formats (:mod:`fusion_pass.formats`): each call is counted under its decision's ``format``. The snapshot of
+every format keeps NVFP4's keys as they are and names another format's calls beside them: ``fused_by_backend``
+``"reference (fp8_static)"``, ``fallback`` ``"decode_tokens (fp8_static)"`` (tokens are summed over the formats);
+``counters(output_format="fp8_static")`` is the snapshot of that format's calls alone, with plain keys.
+
 Listeners (:func:`add_listener`) learn that the counters changed: a listener is called on the first change after
 it was added or after the counters were last read (so a listener that reads the counters, or wakes a thread
 that does, is called again after the next change; one that never reads them is called once), outside the
@@ -27,6 +32,8 @@ import logging
 import threading
 from typing import Any, Callable, Iterable
 
+from fusion_pass import formats
+from fusion_pass.formats import NVFP4
 from fusion_pass.nvfp4.checks import ArgumentError
 from fusion_pass.runtime.guard import Decision
 
@@ -41,36 +48,47 @@ _PATHS = frozenset(("fused", "partial", "fallback"))
 
 
 class _Counts:
-    """One set of counters: the process total, or one layer's."""
+    """One set of counters: the process total, or one layer's; keyed by output format (a format name, or
+    ``(format, backend)`` / ``(format, reason)``)."""
 
     __slots__ = ("fused_by_backend", "fallback", "prefill", "prefill_fused", "decode_fused", "post_quantized")
 
     def __init__(self) -> None:
-        self.fused_by_backend: dict[str, int] = {}
-        self.fallback: dict[str, int] = {}
-        self.prefill = 0
-        self.prefill_fused = 0
-        self.decode_fused = 0
-        self.post_quantized: dict[str, int] = {}
+        self.fused_by_backend: dict[tuple[str, str], int] = {}
+        self.fallback: dict[tuple[str, str], int] = {}
+        self.prefill: dict[str, int] = {}
+        self.prefill_fused: dict[str, int] = {}
+        self.decode_fused: dict[str, int] = {}
+        self.post_quantized: dict[tuple[str, str], int] = {}
 
     def add(self, decision: Decision, calls: int = 1) -> None:
         """Count ``calls`` calls that took ``decision``."""
+        fmt = decision.format
         if decision.fused:
-            self.fused_by_backend[decision.backend] = self.fused_by_backend.get(decision.backend, 0) + calls
+            key = (fmt, decision.backend)
+            self.fused_by_backend[key] = self.fused_by_backend.get(key, 0) + calls
         else:
-            self.fallback[decision.reason] = self.fallback.get(decision.reason, 0) + calls
-        self.prefill += decision.prefill_tokens * calls
-        self.prefill_fused += decision.fused_tokens * calls
-        self.decode_fused += decision.decode_fused * calls
+            key = (fmt, decision.reason)
+            self.fallback[key] = self.fallback.get(key, 0) + calls
+        for target, n in ((self.prefill, decision.prefill_tokens), (self.prefill_fused, decision.fused_tokens),
+                          (self.decode_fused, decision.decode_fused)):
+            target[fmt] = target.get(fmt, 0) + n * calls
         for reason, n in decision.post_quantized.items():
-            self.post_quantized[reason] = self.post_quantized.get(reason, 0) + n * calls
+            key = (fmt, reason)
+            self.post_quantized[key] = self.post_quantized.get(key, 0) + n * calls
+
+
+def _named(fmt: str, name: str, plain: bool) -> str:
+    """A backend or reason as a snapshot key: as it is for NVFP4 or in one format's snapshot (``plain``), else
+    ``"<name> (<format>)"``."""
+    return name if plain or fmt == NVFP4.name else f"{name} ({fmt})"
 
 
 _lock = threading.Lock()
 _total = _Counts()
 _by_layer: dict[str, _Counts] = {}
 _pending: list = []  # (decision, layer name or None) per recorded call not yet added up; appended without the lock
-_logged_reasons: set = {None}  # reasons logged (None: fused decisions, never logged)
+_logged_reasons: set = {None}  # (reason, format) logged (None: fused decisions, never logged)
 _listeners: list[Callable[[], None]] = []
 _armed = False  # call the listeners at the next record (set when they may not know of the last change)
 
@@ -87,7 +105,7 @@ def record(decision: Decision, layer_name: str | None = None) -> None:
     if len(_pending) >= FOLD_AT:
         with _lock:
             _fold()
-    if decision.reason not in _logged_reasons:
+    if decision.reason is not None and (decision.reason, decision.format) not in _logged_reasons:
         _log_first(decision)
     if _armed:
         _notify()
@@ -119,15 +137,17 @@ def _fold() -> None:
 
 
 def _log_first(decision: Decision) -> None:
+    key = (decision.reason, decision.format)
     with _lock:
-        if decision.reason in _logged_reasons:
+        if key in _logged_reasons:
             return
-        _logged_reasons.add(decision.reason)
+        _logged_reasons.add(key)
     if decision.fused:
         return
     logger.info(
-        "fusion_pass: fused attention+NVFP4 quant fell back to the unfused path (reason: %s; %s); "
+        "fusion_pass: fused attention+%s quant fell back to the unfused path (reason: %s; %s); "
         "further fallbacks for this reason are only counted (fusion_pass.runtime.counters.counters())",
+        "NVFP4" if decision.format == NVFP4.name else decision.format,
         decision.reason,
         decision.detail or "no detail",
     )
@@ -182,7 +202,7 @@ def _layer_names(layers) -> list[str]:
     return names
 
 
-def counters(layers: Iterable[str] | str | None = None) -> dict[str, Any]:
+def counters(layers: Iterable[str] | str | None = None, *, output_format: str | None = None) -> dict[str, Any]:
     """A snapshot: calls ``{"fused": int, "fused_by_backend": {name: int}, "fallback": {reason: int}}``
     and tokens ``"tokens": {"prefill": int, "prefill_fused": int, "decode_fused": int, "post_quantized":
     {reason: int}}`` (summed over the calls, i.e. over layers: a fraction ``prefill_fused / prefill`` is per
@@ -190,10 +210,20 @@ def counters(layers: Iterable[str] | str | None = None) -> dict[str, Any]:
 
     ``layers``: None (the default) for the whole process; else layer names (one name, or an iterable of
     them): the sum over the calls counted under those layers (a name never counted adds nothing, so an
-    empty list gives zeros).
+    empty list gives zeros). ``output_format``: None (the default) for the calls of every format, those of a
+    format other than NVFP4 under ``"<backend> (<format>)"`` / ``"<reason> (<format>)"`` (module docstring); a
+    format's name (``"nvfp4"``, ``"fp8_static"``): that format's calls alone, keys as they are.
     """
     global _armed
     names = None if layers is None else _layer_names(layers)
+    if output_format is not None and not isinstance(output_format, str):
+        shown = getattr(output_format, "name", None) or repr(output_format)[:60]
+        raise ArgumentError(f"counters: output_format must be None or a format's name (str), got "
+                            f"{type(output_format).__name__} {shown}")
+    if output_format is not None and output_format not in {f.name for f in formats.FORMATS}:
+        raise ArgumentError(f"counters: output_format must be one of {[f.name for f in formats.FORMATS]}, got "
+                            f"{output_format!r}")
+    plain = output_format is not None
     fused_by_backend: dict[str, int] = {}
     fallback: dict[str, int] = {}
     post: dict[str, int] = {}
@@ -203,13 +233,16 @@ def counters(layers: Iterable[str] | str | None = None) -> dict[str, Any]:
         _fold()
         sources = [_total] if names is None else [_by_layer[n] for n in dict.fromkeys(names) if n in _by_layer]
         for c in sources:
-            for target, source in ((fused_by_backend, c.fused_by_backend), (fallback, c.fallback),
-                                   (post, c.post_quantized)):
-                for key, n in source.items():
-                    target[key] = target.get(key, 0) + n
-            prefill += c.prefill
-            prefill_fused += c.prefill_fused
-            decode_fused += c.decode_fused
+            for target, source, by_format in ((fused_by_backend, c.fused_by_backend, True),
+                                              (fallback, c.fallback, True), (post, c.post_quantized, False)):
+                for (fmt, name), n in source.items():
+                    if output_format is None or fmt == output_format:
+                        key = _named(fmt, name, plain or not by_format)
+                        target[key] = target.get(key, 0) + n
+            prefill += sum(n for fmt, n in c.prefill.items() if output_format is None or fmt == output_format)
+            prefill_fused += sum(n for fmt, n in c.prefill_fused.items()
+                                 if output_format is None or fmt == output_format)
+            decode_fused += sum(n for fmt, n in c.decode_fused.items() if output_format is None or fmt == output_format)
     return {
         "fused": sum(fused_by_backend.values()),
         "fused_by_backend": fused_by_backend,

@@ -6,8 +6,9 @@ description of the batch (:class:`BatchRows`) and of the layer (:class:`LayerSha
 builds them from its :class:`~fusion_pass.runtime.BatchSpec`, the vLLM adapter from vLLM's attention metadata;
 both get the same reasons (:data:`FALLBACK_REASONS`). The prefill rows run the fused backend
 (:func:`fusion_pass.runtime.backends.select_backend`) whenever one exists for the layer, also beside decode
-rows (a mixed batch; a caller with a paged cache, vLLM's standard layers, hands the whole call, decode rows
-included, to one paged launch instead: ``Decision.one_call``) and, where the backend handles cached context, for
+rows (a mixed batch; a caller with a paged cache, vLLM's and the stand-in engine's standard layers, hands the
+whole call, decode rows included, to one paged launch instead: ``Decision.one_call``) and, where the backend
+handles cached context, for
 chunked prefills; under ``auto`` only where the measured policy fuses the call's class (:mod:`.policy`). Decode rows, and
 every row of a call that cannot be fused, are computed as the unfused graph computes them and post-quantized
 into their rows of the same buffers: byte-identical to the unfused graph.
@@ -22,8 +23,9 @@ from typing import Any, Literal
 
 import torch
 
+from fusion_pass.formats import NVFP4, OutputFormat
 from fusion_pass.runtime import backends, policy, self_check, settings
-from fusion_pass.runtime.backends.base import fuses
+from fusion_pass.runtime.backends.base import fused_prefills, fuses, writes
 
 __all__ = ["BatchRows", "Decision", "FALLBACK_REASONS", "LayerShape", "decide"]
 
@@ -126,6 +128,8 @@ class Decision:
     Per token: ``prefill_tokens`` of the batch, ``fused_tokens`` of them written by the
     fused backend, ``decode_fused`` decode rows written by it (a one-call decision), ``post_quantized``
     ``{reason: tokens}`` for the rest (a split mixed batch's decode rows under ``"decode_tokens"``).
+    ``format``: the name of the output format the call writes (:mod:`fusion_pass.formats`; ``"nvfp4"``,
+    ``"fp8_static"``), which the counters keep apart.
     """
 
     path: Literal["fused", "partial", "fallback"]
@@ -136,6 +140,7 @@ class Decision:
     fused_tokens: int = 0
     post_quantized: dict = field(default_factory=dict)
     decode_fused: int = 0
+    format: str = NVFP4.name
 
     @property
     def one_call(self) -> bool:
@@ -143,9 +148,11 @@ class Decision:
         return self.decode_fused > 0
 
     @classmethod
-    def fallback(cls, reason: str, detail: str, prefill_tokens: int = 0, tokens: int = 0) -> "Decision":
-        """Every row post-quantized for ``reason`` (one of :data:`FALLBACK_REASONS`)."""
-        return cls("fallback", reason, None, detail, prefill_tokens, 0, {reason: tokens} if tokens else {})
+    def fallback(cls, reason: str, detail: str, prefill_tokens: int = 0, tokens: int = 0,
+                 output_format: str = NVFP4.name) -> "Decision":
+        """Every row post-quantized for ``reason`` (one of :data:`FALLBACK_REASONS`), in ``output_format``."""
+        return cls("fallback", reason, None, detail, prefill_tokens, 0, {reason: tokens} if tokens else {},
+                   format=output_format)
 
     @property
     def fused(self) -> bool:
@@ -155,8 +162,10 @@ class Decision:
 
 def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None, decode_refusal: str | None = None,
            context_refusal: str | None = None, allow_partial: bool = True,
-           one_call_refusal: str | None = "the caller offers no paged cache", split_free: bool = False) -> Decision:
-    """Which rows of the call the fused backend writes.
+           one_call_refusal: str | None = "the caller offers no paged cache", split_free: bool = False,
+           output_format: OutputFormat = NVFP4) -> Decision:
+    """Which rows of the call the fused backend writes, in ``output_format`` (:mod:`fusion_pass.formats`; the
+    decision's ``format``).
 
     Checked in this order; the first that holds post-quantizes every row:
 
@@ -165,14 +174,17 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     3. ``unsupported`` (what the layer computes that the fused kernels do not): ``"layer_not_supported"``;
     4. decode rows and ``decode_refusal`` (the caller cannot compute them apart): ``"decode_tokens"``;
     5. cached context and ``context_refusal`` (the caller cannot read it): ``"chunked_prefill"``;
-    6. no backend is selected for ``layer``: ``"no_backend"`` with each backend's reason in ``detail``, or
+    6. no backend is selected for ``layer`` and ``output_format`` (a backend without a kernel of the format is
+       refused with a reason naming it): ``"no_backend"`` with each backend's reason in ``detail``, or
        ``"no_fast_backend"`` when one could run it but ``auto`` takes none that is not measured fast here;
     6a. under ``auto``, the measured policy refuses the call's row plan on this GPU generation
        (:func:`fusion_pass.runtime.policy.verdict`): ``"slower_here"``;
     6b. ``layer.kv_dtype`` is set, not the query dtype, and the backend's ``kv_dtype`` is not float32 (it would
        round the keys and values the unfused computation attends over as given): ``"kv_dtype"``;
     7. no prefill the backend runs (every prefill has cached context and the backend does not run such
-       prefills; with ``allow_partial=False``, any prefill with context it does not run): ``"chunked_prefill"``;
+       prefills, or, for a format it has no merge launch of, their context exceeds the context workspace bound:
+       :func:`~fusion_pass.runtime.backends.base.fused_prefills`; with ``allow_partial=False``, any prefill with
+       context it does not run): ``"chunked_prefill"``;
     8. the backend's kernel failed its first-use self-check, or it has not run and a CUDA graph is being
        captured (:func:`fusion_pass.runtime.self_check.verify`; runs the canary on first need):
        ``"self_check_failed"`` / ``"self_check_pending"``.
@@ -193,7 +205,7 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     with_context = sum(1 for c in rows.context_lens if c)
 
     def fallback(reason: str, detail: str) -> Decision:
-        return Decision.fallback(reason, detail, prefill, t)
+        return Decision.fallback(reason, detail, prefill, t, output_format.name)
 
     if rows.dcp_world_size != 1:
         return fallback("dcp_world_size>1", f"dcp_world_size={rows.dcp_world_size}")
@@ -215,15 +227,15 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     if refused is not None:
         return refused
     backend, why = backends.select_backend(layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
-                                           layer.v_head_dim)
+                                           layer.v_head_dim, output_format=output_format)
     if backend is None:
         usable, _ = backends.select_backend(layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
-                                            layer.v_head_dim, fast_only=False)
+                                            layer.v_head_dim, fast_only=False, output_format=output_format)
         return fallback("no_backend" if usable is None else "no_fast_backend", why)
     if layer.kv_dtype not in (None, layer.dtype) and getattr(backend, "kv_dtype", None) != torch.float32:
         return fallback("kv_dtype", f"keys / values in {layer.kv_dtype} beside {layer.dtype} queries: backend "
                                     f"{backend.name} computes attention with them in the query dtype")
-    one_call = offered and getattr(backend, "handles_paged", False)
+    one_call = offered and getattr(backend, "handles_paged", False) and writes(backend, output_format, "paged")
     auto, one_call_evidence = settings.configured_backend() == "auto", ""
     if one_call and auto:
         one_call, one_call_evidence = policy.verdict(layer.device, "mixed_one_call")
@@ -245,10 +257,16 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
             return fallback(refused, checked)
         detail = why + (f"; {checked}" if checked.startswith("self-check passed") else "") \
             + f"; every row in one launch over the paged KV cache ({d} decode row(s) fused)"
-        return Decision("fused", None, backend.name, detail, prefill, prefill, {}, d)
-    fused = sum(q for q, c in zip(rows.query_lens, rows.context_lens) if fuses(backend, c))
-    context = ("" if fused == prefill else f"; {prefill - fused} row(s) of prefills with cached context "
-               f"post-quantized: backend {backend.name} runs prefills without cached context only")
+        return Decision("fused", None, backend.name, detail, prefill, prefill, {}, d, output_format.name)
+    mask = fused_prefills(backend, output_format, rows.context_lens, settings.context_workspace_tokens)
+    fused = sum(q for q, f in zip(rows.query_lens, mask) if f)
+    context = ""
+    if fused != prefill:
+        context = (f"; {prefill - fused} row(s) of prefills with cached context post-quantized: " + (
+            f"backend {backend.name} runs prefills without cached context only" if not fuses(backend, 1) else
+            f"their {sum(rows.context_lens)} cached token(s) exceed the context workspace bound "
+            f"({settings.context_workspace_tokens()} tokens) and backend {backend.name} has no "
+            f"{output_format.name} merge of context chunks"))
     if fused == 0 or (fused != prefill and not allow_partial):
         return fallback("chunked_prefill", context[2:])
     refused, checked = self_check.verify(backend, layer.device, layer.dtype, layer.num_heads, layer.qk_head_dim,
@@ -259,4 +277,5 @@ def decide(rows: BatchRows, layer: LayerShape, *, unsupported: str | None = None
     rest = {k: v for k, v in unfused.items() if v}
     detail = why + (f"; {checked}" if checked.startswith("self-check passed") else "") \
         + (f"; {d} decode row(s) post-quantized" if d else "") + context
-    return Decision("fused" if fused == prefill else "partial", None, backend.name, detail, prefill, fused, rest)
+    return Decision("fused" if fused == prefill else "partial", None, backend.name, detail, prefill, fused, rest,
+                    format=output_format.name)

@@ -7,7 +7,8 @@ it is depends on the call's *class*: the GPU generation, and how its rows would 
 * ``mixed_split_free``: decode rows beside prefill rows, where the unfused backend computes the two apart anyway
   (vLLM's MLA layers, FlashInfer): the fused launch replaces the prefill launch;
 * ``mixed_split``: decode rows beside prefill rows of a backend that attends every row in one launch (vLLM's
-  FLASH_ATTN and CPU_ATTN, the project's runtime): fusing the prefill rows adds a launch for the decode rows;
+  FLASH_ATTN and CPU_ATTN, the project's runtime where the one call is refused): fusing the prefill rows adds a
+  launch for the decode rows;
 * ``mixed_one_call``: every row of such a call, decode rows included, in one fused launch over the paged cache.
 
 :data:`POLICY_TABLE` says, per generation and class, whether ``auto`` fuses and on which measurement (or, where

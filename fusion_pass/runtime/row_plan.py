@@ -16,13 +16,18 @@ into what a fused backend's kernel takes and writes them back:
   is False) computed as the unfused graph computes it and written by the row-range quantizer
   (:func:`post_quantize_rows`), which touches no other row.
 
+The output format is one seam, :class:`RowWriter`: how a backend's fused kernel writes the format, how two partial
+attentions are merged into it (if the format has a merge), how the other rows are quantized. :class:`NVFP4Rows` is
+NVFP4's; static FP8's is :class:`fusion_pass.runtime.fp8_rows.FP8StaticRows`. :func:`run_rows` and
+:func:`write_prefills` are the plan for any writer; :func:`run_on_prefill` and :func:`run_prefills` are NVFP4's.
+
 A backend is what it is given (:class:`fusion_pass.runtime.backends.Backend`: ``run_varlen``,
-``attention_lse``, ``merge_nvfp4``): the plan calls down into it, it never calls back.
+``attention_lse``, ``merge_nvfp4``, ``run_varlen_fp8_static``): the plan calls down into it, it never calls back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -37,11 +42,15 @@ from fusion_pass.runtime.settings import check_token_count, context_workspace_to
 
 __all__ = [
     "ContextRows",
+    "NVFP4Rows",
+    "RowWriter",
     "check_prefills",
     "post_quantize_rows",
     "run_on_prefill",
     "run_prefills",
+    "run_rows",
     "varlen_meta",
+    "write_prefills",
 ]
 
 ContextRows = Callable[[int, int], "tuple[Tensor, Tensor]"]
@@ -207,31 +216,81 @@ def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: in
     query_lens, context_lens = check_prefills(q, k, v, first_row, query_lens, context_lens, context)
     if workspace_tokens is not None:
         check_token_count("run_prefills(workspace_tokens)", workspace_tokens)
-    _run_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale, output,
-                  output_scale, output_block_scale, workspace_tokens)
+    write_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale,
+                  NVFP4Rows(output, output_scale, output_block_scale, q.shape[0]), workspace_tokens)
 
 
-def _run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, first_row: int, query_lens: list[int],
-                  context_lens: list[int], context: ContextRows | None, softmax_scale: float, output: Tensor,
-                  output_scale: Tensor, output_block_scale: Tensor, workspace_tokens: int | None = None) -> None:
-    """:func:`run_prefills`' body, its arguments checked (or built by :func:`run_on_prefill` from a checked
-    call: Python ints, one per prefill)."""
+class RowWriter(Protocol):
+    """How the rows of one call are written in its output format, its buffers bound (``T`` rows): the row plan's
+    one seam per format (:class:`NVFP4Rows` here; static FP8: :class:`fusion_pass.runtime.fp8_rows.FP8StaticRows`).
+
+    * ``fused(backend, context_lens)``: per prefill (its cached tokens, row order), whether ``backend``'s kernel of
+      this format writes it;
+    * ``varlen(backend, q, k, v, cu_q, max_q, softmax_scale, cu_k, max_k)``: the backend's fused kernel of this
+      format on a run of prefills (``cu_q`` rows of the buffers; keys ``cu_k``, None: the queries' own);
+    * ``merge(backend, out_a, lse_a, out_b, lse_b, first_row)``: two partial attentions merged into the format at
+      rows ``first_row`` on (context beyond the workspace bound), None where the format has no merge;
+    * ``rows(x, row_start)``: query-dtype attention ``x [M, H*Dv]`` quantized into rows ``[row_start, row_start +
+      M)`` as the unfused graph's quant op writes them, no other row touched.
+    """
+
+    def fused(self, backend: Any, context_lens: list[int]) -> list[bool]: ...
+
+    def varlen(self, backend: Any, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, max_q: int, softmax_scale: float,
+               cu_k: Tensor | None, max_k: int | None) -> None: ...
+
+    merge: Callable[..., None] | None
+
+    def rows(self, x: Tensor, row_start: int) -> None: ...
+
+
+class NVFP4Rows:
+    """:class:`RowWriter` of NVFP4: ``output`` uint8 ``[T, H*Dv/2]``, ``output_block_scale`` the swizzled scales of
+    ``T`` rows, ``output_scale`` the global scale; a backend writes every prefill it :func:`fuses`, merges beyond the
+    workspace bound by its NVFP4 merge kernel (scale padding zeroed after it)."""
+
+    def __init__(self, output: Tensor, output_scale: Tensor, output_block_scale: Tensor, t: int) -> None:
+        self.output, self.output_scale, self.output_block_scale, self.t = output, output_scale, output_block_scale, t
+
+    def fused(self, backend: Any, context_lens: list[int]) -> list[bool]:
+        return [fuses(backend, c) for c in context_lens]
+
+    def varlen(self, backend, q, k, v, cu_q, max_q, softmax_scale, cu_k, max_k) -> None:
+        backend.run_varlen(q, k, v, cu_q, max_q, softmax_scale, self.output, self.output_scale,
+                           self.output_block_scale, cu_seqlens_k=cu_k, max_seqlen_k=max_k)
+
+    def merge(self, backend, out_a, lse_a, out_b, lse_b, first_row: int) -> None:
+        packed, scales = nvfp4.byte_views(self.output, self.output_block_scale, self.t)
+        backend.merge_nvfp4(out_a, lse_a, out_b, lse_b, self.output_scale, packed, scales, first_row)
+        nvfp4.zero_scale_padding(scales, self.t, packed.shape[1] * 2)
+
+    def rows(self, x: Tensor, row_start: int) -> None:
+        post_quantize_rows(x, self.output_scale, self.output, self.output_block_scale, row_start, self.t)
+
+
+def write_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, first_row: int, query_lens: list[int],
+                  context_lens: list[int], context: ContextRows | None, softmax_scale: float, writer: RowWriter,
+                  workspace_tokens: int | None = None) -> None:
+    """:func:`run_prefills` for any format's ``writer``, its arguments already checked (by
+    :func:`check_prefills`, or built by :func:`run_rows` from a checked call: Python ints, one per prefill). A
+    context beyond the bound needs the format's merge (ValueError without one, before any kernel runs)."""
     total_context = sum(context_lens)
     bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
     cu_q = _cu(query_lens, q.device, first_row)
     max_q = max(query_lens)
     if total_context == 0:  # keys are the queries' own tokens; past row 0 they are indexed from 0
         cu_k = None if first_row == 0 else _cu(query_lens, q.device)
-        backend.run_varlen(q, k, v, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale,
-                           cu_seqlens_k=cu_k, max_seqlen_k=None if cu_k is None else max_q)
+        writer.varlen(backend, q, k, v, cu_q, max_q, softmax_scale, cu_k, None if cu_k is None else max_q)
         return
+    if total_context > bound and writer.merge is None:
+        raise ValueError(f"run_prefills: context_lens sum to {total_context} cached tokens, beyond the context "
+                         f"workspace bound of {bound} tokens, and this output format has no merge of context chunks")
     if total_context <= bound:
         k_context, v_context = context(0, total_context)
         k_ws = _interleave(k_context, k, context_lens, query_lens)
         v_ws = _interleave(v_context, v, context_lens, query_lens)
         key_lens = [a + b for a, b in zip(context_lens, query_lens)]
-        backend.run_varlen(q, k_ws, v_ws, cu_q, max_q, softmax_scale, output, output_scale, output_block_scale,
-                           cu_seqlens_k=_cu(key_lens, q.device), max_seqlen_k=max(key_lens))
+        writer.varlen(backend, q, k_ws, v_ws, cu_q, max_q, softmax_scale, _cu(key_lens, q.device), max(key_lens))
         return
     q_p = q[first_row:first_row + sum(query_lens)]
     cu_p = _cu(query_lens, q.device)
@@ -242,10 +301,7 @@ def _run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, first_row: int,
                                      softmax_scale, False)
         acc = part if acc is None else merge_attention(acc[0], acc[1], part[0], part[1])
     new = backend.attention_lse(q_p, k, v, cu_p, max_q, cu_p, max_q, softmax_scale, True)
-    t = q.shape[0]
-    packed, scales = nvfp4.byte_views(output, output_block_scale, t)
-    backend.merge_nvfp4(acc[0], acc[1], new[0], new[1], output_scale, packed, scales, first_row)
-    nvfp4.zero_scale_padding(scales, t, packed.shape[1] * 2)
+    writer.merge(backend, acc[0], acc[1], new[0], new[1], first_row)
 
 
 def run_on_prefill(backend: Any, impl: Any, inputs: tuple, spec: Any,
@@ -262,12 +318,18 @@ def run_on_prefill(backend: Any, impl: Any, inputs: tuple, spec: Any,
     kernel's values for them are discarded), computed by the layer's float32 runtime, rounded to the query
     dtype and written by the row-range quantizer, which touches no other row.
     """
+    run_rows(backend, impl, inputs, spec, NVFP4Rows(output, output_scale, output_block_scale, spec.num_tokens))
+
+
+def run_rows(backend: Any, impl: Any, inputs: tuple, spec: Any, writer: RowWriter) -> None:
+    """:func:`run_on_prefill` for any format's ``writer``: the prefills ``writer.fused`` says by the backend's
+    kernel of the format, every other row by ``writer.rows`` after it."""
     q = inputs[0] if inputs[0].stride(-1) == 1 else inputs[0].contiguous()  # the kernels' layout
     t, d = spec.num_tokens, spec.num_decode_tokens
-    fused, exact = [], []
-    for r in spec.requests:
-        (fused if not r.is_decode and fuses(backend, r.context_len) else exact).append(r)
     prefills = spec.requests[spec.num_decodes:]
+    mask = writer.fused(backend, [r.context_len for r in prefills])
+    fused = [r for r, f in zip(prefills, mask) if f]
+    exact = list(spec.requests[:spec.num_decodes]) + [r for r, f in zip(prefills, mask) if not f]  # in row order
     # the common case, every prefill fused: their rows are [D, T), a view; else gathered. Without decode rows the
     # fused requests are the call's own batch, whose inputs the op checked: not checked again.
     whole = len(fused) == len(spec.requests)
@@ -281,11 +343,9 @@ def run_on_prefill(backend: Any, impl: Any, inputs: tuple, spec: Any,
         k, v = k_all, v_all
     if exact:
         out = impl.forward(*(x[_rows(spec, exact, q.device)] for x in inputs), _sub_batch(spec, exact)).to(q.dtype)
-    _run_prefills(backend, q, k, v, d, [r.query_len for r in prefills],
-                  [r.context_len if fuses(backend, r.context_len) else 0 for r in prefills], context,
-                  impl.softmax_scale,
-                  output, output_scale, output_block_scale)
+    write_prefills(backend, q, k, v, d, [r.query_len for r in prefills],
+                  [r.context_len if f else 0 for r, f in zip(prefills, mask)], context, impl.softmax_scale, writer)
     offset = 0
     for start, length in _runs(spec, exact):  # one row-range launch per run of adjacent rows (all decodes: one)
-        post_quantize_rows(out[offset:offset + length], output_scale, output, output_block_scale, start, t)
+        writer.rows(out[offset:offset + length].reshape(length, -1), start)
         offset += length

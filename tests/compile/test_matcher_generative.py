@@ -20,8 +20,10 @@ batches of :data:`STEPS` (prefill, mixed, chunked prefill, decode, prefill):
     rows are within the bound of ``test_fusion_pass``'s numerics test (two NVFP4
     error bounds plus the bf16 rounding of the attention output; on mixed and
     chunked batches the same bound derived from the unfused values alone,
-    ``demo.requantization_bound``) and their decode rows are bitwise equal, the
-    persistent buffer is unchanged, and decode-only batches are bitwise equal;
+    ``demo.requantization_bound``) and their decode rows are bitwise equal (MLA's
+    split; a standard layer's mixed call is one launch over its paged cache, its
+    decode rows within the same bound), the persistent buffer is unchanged, and
+    decode-only batches are bitwise equal;
 (c) nothing raises with the pass that does not raise without it.
 
 And the oracle side (``graph_cases.layout``: the chain applied eagerly to a
@@ -527,7 +529,9 @@ def _within_bound(case: Case, k: int, ref, got) -> str | None:
 
 
 def _rows_within_bound(case: Case, k: int, ref, got) -> str | None:
-    """A mixed / chunked step: decode rows bitwise equal, prefill rows within the requantization bound."""
+    """A mixed / chunked step: decode rows bitwise equal (MLA's split; a standard layer's decode rows are written by
+    the one launch over its paged cache, within the bound like the prefill rows), prefill rows within the
+    requantization bound."""
     from fusion_pass.demo.workload import requantization_bound, rows_equal
 
     spec, t, w = STEPS[k], STEPS[k].num_tokens, case.width
@@ -535,7 +539,7 @@ def _rows_within_bound(case: Case, k: int, ref, got) -> str | None:
     if a_got.shape != (t, w // 2) or a_ref.shape != (t, w // 2):
         return f"fused operand {list(a_got.shape)} / unfused {list(a_ref.shape)}, expected [{t}, {w // 2}]"
     d = spec.num_decode_tokens
-    if not rows_equal([(a_got, sf_got)], [(a_ref, sf_ref)], d):
+    if case.kind != "gqa" and not rows_equal([(a_got, sf_got)], [(a_ref, sf_ref)], d):
         return f"decode rows [0, {d}) differ from the unfused graph's"
     gs = case.o_proj.input_global_scale
     fused = nvfp4.dequantize(a_got, sf_got.view(torch.float8_e4m3fn), gs, m=t)

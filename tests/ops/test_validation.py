@@ -126,7 +126,8 @@ def layer(request):
 
 
 # Scenarios: the history that fills the caches, then the batch under test.
-# "prefill", "mixed" (decode rows post-quantized) and "chunked" take the fused path, "decode" the fallback.
+# "prefill", "mixed" (decode rows post-quantized for MLA, in the one paged call for GQA) and "chunked" take the fused
+# path, "decode" the fallback.
 SCENARIOS = {
     "prefill": ([], runtime.BatchSpec.from_lens([5, 3])),
     "mixed": ([runtime.BatchSpec.from_lens([4, 6])], runtime.BatchSpec.from_lens([1, 6], [4, 0], ["r0", "r2"])),
@@ -147,8 +148,13 @@ def _setup(layer, scenario):
 
 
 def _cache_state(impl):
-    """The cache's entries, by identity (entries are replaced, never modified in place)."""
-    return {rid: tuple(id(t) for t in entry) for rid, entry in impl.cache.entries().items()}
+    """The cache's entries: MLA's by identity (entries are replaced, never modified in place); the standard layer's
+    paged ones by content, pages and the number of pages in use (pages are written in place; a pool may have grown)."""
+    if not hasattr(impl.cache, "page_counts"):
+        return {rid: tuple(id(t) for t in entry) for rid, entry in impl.cache.entries().items()}
+    tokens = {rid: [(t.dtype, t.float().tolist()) for t in entry] for rid, entry in impl.cache.entries().items()}
+    counts = impl.cache.page_counts()
+    return tokens, {rid: impl.cache.entry(rid).pages for rid in tokens}, counts["allocated"] - counts["free"]
 
 
 def _assert_rejected_without_trace(layer, history, spec, inputs, call, match, *, exc=ValueError, plain=False):
@@ -387,8 +393,10 @@ def test_a_failure_part_way_rolls_the_cache_back_and_is_not_counted(layer, monke
     def boom(*args, **kwargs):
         raise RuntimeError("injected failure")
 
-    for scenario, target in (("prefill", "fusion_pass.runtime.backends.reference.ReferenceBackend.run_varlen"),
-                             ("mixed", "fusion_pass.runtime.row_plan.post_quantize_rows"),
+    reference = "fusion_pass.runtime.backends.reference.ReferenceBackend"
+    mixed = f"{reference}.run_paged" if layer.kind == "gqa" else "fusion_pass.runtime.row_plan.post_quantize_rows"
+    for scenario, target in (("prefill", f"{reference}.run_varlen"),
+                             ("mixed", mixed),  # the standard layer's one call over its pages, MLA's split
                              ("decode", "fusion_pass.runtime.engine.attention_call._write_output")):
         history, spec, inputs = _setup(layer, scenario)
         before, cache = counters.counters(), _cache_state(layer.impl)

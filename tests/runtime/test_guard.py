@@ -123,10 +123,11 @@ ROW_CASES = {
 
 
 @pytest.mark.parametrize("kind", list(ROW_CASES))
-def test_prefill_rows_of_every_batch_are_fused_and_decode_rows_equal_the_unfused_graph(layer, kind):
-    """Decode rows: byte-equal to the unfused graph. Prefill rows (with or without cached context): the
-    reference backend's criterion, exactly quantize(float32 attention). Every byte is written (poisoned
-    buffers), and scale padding is zero."""
+def test_prefill_rows_of_every_batch_are_fused_and_decode_rows_are_split_or_in_the_one_call(layer, kind):
+    """Prefill rows (with or without cached context): the reference backend's criterion, exactly
+    quantize(float32 attention). Decode rows beside them: MLA's split, byte-equal to the unfused graph; a standard
+    layer's one call over its paged cache, the same criterion as the prefill rows (``decode_fused``). Every byte
+    is written (poisoned buffers), and scale padding is zero."""
     first = runtime.BatchSpec.from_lens([9, 6])
     query_lens, context_lens = ROW_CASES[kind]
     ids = ["r0", "r1"][: sum(1 for c in context_lens if c)] + [f"n{i}" for i in range(sum(1 for c in context_lens if not c))]
@@ -144,8 +145,9 @@ def test_prefill_rows_of_every_batch_are_fused_and_decode_rows_equal_the_unfused
     assert torch.equal(out, out2) and torch.equal(scales, scales2), "some byte depends on the poison"
 
     d = spec.num_decode_tokens
+    one_call = isinstance(layer.impl, runtime.AttentionImpl) and d > 0
     attn32 = layer.attention32(steps)
-    expected = torch.cat([attn32[:d].to(torch.bfloat16).float(), attn32[d:]])
+    expected = attn32 if one_call else torch.cat([attn32[:d].to(torch.bfloat16).float(), attn32[d:]])
     packed, ref_scales = nvfp4.quantize(expected, GS)
     assert torch.equal(out, packed) and torch.equal(scales, ref_scales.view(torch.uint8))
 
@@ -154,11 +156,13 @@ def test_prefill_rows_of_every_batch_are_fused_and_decode_rows_equal_the_unfused
         unfused_packed, unfused_scales = layer.call_unfused(s, inputs, GS)
     from fusion_pass.demo.workload import rows_equal
 
-    assert rows_equal([(out, scales)], [(unfused_packed, unfused_scales)], d)
+    if not one_call:  # the one call's decode rows: quantize(float32 attention), checked above
+        assert rows_equal([(out, scales)], [(unfused_packed, unfused_scales)], d)
     counts = counters.counters()["tokens"]
     prefill = first.num_tokens + spec.num_tokens - d
     assert counts["prefill"] == counts["prefill_fused"] == 2 * prefill
-    assert counts["post_quantized"] == ({"decode_tokens": 2 * d} if d else {})
+    assert counts["decode_fused"] == (2 * d if one_call else 0)
+    assert counts["post_quantized"] == ({"decode_tokens": 2 * d} if d and not one_call else {})
 
 
 def test_fused_and_fallback_differ_only_within_the_nvfp4_error_bounds(layer):
@@ -216,8 +220,9 @@ def test_attention_is_computed_once_per_call(layer, monkeypatch):
         spec = runtime.BatchSpec.from_lens(lens)
         layer.impl.clear_cache()
         layer.call(spec, layer.inputs(spec.num_tokens), GS)
-    # the fused backend writes the prefill rows; the runtime computes only the mixed batch's decode rows
-    assert calls == ["decode"]
+    # the fused backend writes the prefill rows; the runtime computes only the mixed batch's decode rows (MLA's
+    # split), or none of them (a standard layer's one call over its paged cache)
+    assert calls == ([] if isinstance(layer.impl, runtime.AttentionImpl) else ["decode"])
 
 
 def test_counters_count_each_decision_and_log_each_reason_once(layer, caplog):
@@ -348,10 +353,12 @@ def test_prefill_qkv_feeds_the_same_attention_and_refuses_other_batches(layer):
 def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows(name, kind):
     """On the GPU: a mixed batch (decode rows first, then new prefills crossing 128-row tiles): prefill rows
     written by the backend's fused kernel at rows [D, T) within the requantization bound of the unfused
-    bytes (plus the kernel's own rounding, below), decode rows byte-equal to the unfused graph's, every byte
-    written (two poisons). Chunked prefills (cached context) are fused too: within the context workspace bound
-    by one kernel call over context + new keys, beyond it (the last two steps run with a 64-token bound) by
-    context chunks merged into NVFP4 by log-sum-exp.
+    bytes (plus the kernel's own rounding, below), decode rows byte-equal to the unfused graph's (MLA's split) or,
+    for the standard layer, written by the same one launch over its paged cache within the same bound
+    (``decode_fused``), every byte written (two poisons). Chunked prefills (cached context) are fused too: MLA's
+    within the context workspace bound by one kernel call over context + new keys, beyond it (the last two steps
+    run with a 64-token bound) by context chunks merged into NVFP4 by log-sum-exp; the standard layer's mixed calls
+    read their context from the pages.
 
     Off the first step the unfused rows are the float32 runtime's, while the kernels round P and V (and for MLA
     the expanded K/V) to bf16 and accumulate in float32: each output is then within a few 2^-9 * max|v| of
@@ -426,10 +433,14 @@ def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows
                 packed, scales = got[0]
                 fused = after["fused_by_backend"].get(name, 0) - before["fused_by_backend"].get(name, 0)
                 assert fused == (want in ("fused", "partial")), f"{spec.kind}: {after}"
+                one_call = kind == "gqa" and d > 0  # every row in one launch over the layer's pages
                 pair, ref = [(packed, scales.view(torch.float8_e4m3fn))], [unfused]
-                assert rows_equal(pair, ref, d), f"{spec.kind}: decode rows differ from the unfused graph's"
+                if not one_call:
+                    assert rows_equal(pair, ref, d), f"{spec.kind}: decode rows differ from the unfused graph's"
                 prefill_fused = after["tokens"]["prefill_fused"] - before["tokens"]["prefill_fused"]
                 assert prefill_fused == (t - d if want == "fused" else 0), f"{spec.kind}: {after['tokens']}"
+                decode_fused = after["tokens"]["decode_fused"] - before["tokens"]["decode_fused"]
+                assert decode_fused == (d if one_call else 0), f"{spec.kind}: {after['tokens']}"
                 if want in ("fused", "partial"):
                     got_hat = nvfp4.dequantize(packed, scales.view(torch.float8_e4m3fn), gs, m=t)
                     want_hat = nvfp4.dequantize(*unfused, gs, m=t)
@@ -439,7 +450,7 @@ def test_cuda_backends_fuse_prefill_rows_beside_decode_rows_at_their_global_rows
                         vmax = max(vmax, float(torch.einsum("sl,hvl->shv", inputs[1].float(),
                                                             impl.weights()[1]).abs().max()))
                     bound = requantization_bound(want_hat, gs) + 2.0**-6 * vmax
-                    assert bool(((got_hat - want_hat).abs() <= bound).all()), f"{spec.kind}: prefill rows off"
+                    assert bool(((got_hat - want_hat).abs() <= bound).all()), f"{spec.kind}: fused rows off"
                     padding = padding_mask(t, width).to("cuda")
                     assert bool((scales[padding] == 0).all())
                 else:
@@ -526,7 +537,9 @@ def test_fused_kernel_rows_and_post_quantized_rows_share_thenvfp4_buffers(layer,
 
 
 def _cache_state(impl):
-    return {rid: tuple(id(t) for t in entry) for rid, entry in impl.cache.entries().items()}
+    """Each request's cached tokens, as (dtype, shape, values) per form."""
+    return {rid: [(t.dtype, tuple(t.shape), t.float().tolist()) for t in entry]
+            for rid, entry in impl.cache.entries().items()}
 
 
 @pytest.mark.parametrize("env, value", [
@@ -554,8 +567,10 @@ def test_a_bad_setting_in_the_environment_raises_before_the_cache_or_the_counter
     before = _cache_state(layer.impl)
     inputs = layer.inputs(spec.num_tokens, seed=2)
     extended = []  # a rolled-back cache would look unchanged: no entry may be touched at all
-    extend = layer.impl.cache.extend
-    monkeypatch.setattr(layer.impl.cache, "extend", lambda *a, **k: extended.append(a[0]) or extend(*a, **k))
+    many = hasattr(layer.impl.cache, "extend_many")  # the paged cache appends a batch's requests at once
+    extend = getattr(layer.impl.cache, "extend_many" if many else "extend")
+    monkeypatch.setattr(layer.impl.cache, "extend_many" if many else "extend",
+                        lambda *a, **k: extended.extend(a[0] if many else [a[0]]) or extend(*a, **k))
     monkeypatch.setenv(env, value)
     t = spec.num_tokens
     if kind == "query dtype":

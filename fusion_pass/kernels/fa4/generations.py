@@ -14,8 +14,11 @@ __all__ = ["GENERATIONS", "Generation", "for_arch"]
 class Generation:
     """One generation: ``name`` (the policy's and the kernels' key, ``"sm90"``), ``label`` (``"SM90"``),
     ``families`` (compute-capability majors it serves), ``gpus`` (what users know it by), ``kernel_module``
-    (the CuTe DSL subclass module that needs FA4) and ``run_on_hardware`` (this project ran and byte-checked the
-    kernel on such a GPU; if not, the kernel self-checks before its first use)."""
+    (the CuTe DSL subclass module that needs FA4), ``run_on_hardware`` (this project ran and byte-checked the
+    kernel on such a GPU; if not, the kernel self-checks before its first use) and ``formats`` (the output formats
+    whose kernels the run time calls there, by :data:`fusion_pass.formats.FORMATS` name: a format is listed once its
+    kernel's GPU byte tests have passed on such a GPU, because the first-use self-check's canary is NVFP4's; the
+    SM90 static FP8 epilogue is wired to the ``fa4`` backend but not listed until its H200 run)."""
 
     name: str
     label: str
@@ -23,6 +26,7 @@ class Generation:
     gpus: str
     kernel_module: str
     run_on_hardware: bool
+    formats: tuple[str, ...] = ("nvfp4",)
 
 
 GENERATIONS: tuple[Generation, ...] = (

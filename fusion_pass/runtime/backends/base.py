@@ -7,6 +7,10 @@ partial attention with its log-sum-exp (:meth:`Backend.attention_lse`) and the N
 (:meth:`Backend.merge_nvfp4`). A backend with ``handles_paged`` also runs a whole call, decode rows included, in
 one launch over a paged KV cache (:meth:`Backend.run_paged`).
 
+Which output formats a backend writes, and by which launches, is its ``formats`` attribute (:func:`writes`): every
+backend writes NVFP4 (:meth:`Backend.run_varlen`, the merge, the paged launch); ``reference`` and ``triton`` also
+write static per-tensor FP8 from :meth:`run_varlen_fp8_static` (no merge, no paged launch yet).
+
 What the rest of the run time needs to know of a backend is an attribute or a method of it (never a comparison of
 its name): the table of backends is :mod:`.registry`.
 """
@@ -18,9 +22,24 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = ["Backend", "HALF_DTYPES", "KernelBackend", "check_device_dtype", "fuses"]
+from fusion_pass.formats import FP8_STATIC, NVFP4, OutputFormat
+
+__all__ = ["Backend", "FP8_STATIC_WRITER", "HALF_DTYPES", "KernelBackend", "LAUNCHES", "NVFP4_ONLY",
+           "check_device_dtype", "format_refusal", "fused_prefills", "fuses", "writes"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+LAUNCHES = ("varlen", "merge", "paged")
+"""A backend's launches that write a format: ``varlen`` (the fused attention of a run of prefills, with cached context
+within the workspace bound), ``merge`` (context beyond the bound: partial attentions merged into the format),
+``paged`` (a whole call over a paged KV cache)."""
+
+NVFP4_ONLY = {NVFP4.name: frozenset(LAUNCHES)}
+"""The ``formats`` of a backend that says nothing: NVFP4 by every launch it has (the paged one only with
+``handles_paged``)."""
+
+FP8_STATIC_WRITER = {**NVFP4_ONLY, FP8_STATIC.name: frozenset({"varlen"})}
+"""NVFP4 by every launch, and static per-tensor FP8 by the varlen launch (:meth:`Backend.run_varlen_fp8_static`)."""
 
 
 @runtime_checkable
@@ -40,6 +59,9 @@ class Backend(Protocol):
     # in the query dtype with the main loop of its fused kernel, which computes the unfused path of a pure-prefill
     # call on CUDA (None or absent: the layer's PyTorch runtime computes it)
     # optional ``kv_dtype``: the dtype the row plan gives keys and values in (default: the query's)
+    # optional ``formats``: ``{format name: launches}`` it writes (:func:`writes`; default :data:`NVFP4_ONLY`), with
+    # ``run_varlen_<format>`` for each format but NVFP4 written by the varlen launch (``run_varlen_fp8_static``:
+    # :meth:`KernelBackend.run_varlen_fp8_static`'s arguments)
     # optional self-check (:mod:`fusion_pass.runtime.self_check`): ``self_check_needed(device) -> (bool, why)``
     # and ``canary(device, dtype, num_heads, qk_head_dim, v_head_dim) -> (passed, detail)``
 
@@ -61,7 +83,9 @@ class Backend(Protocol):
     def supports(
         self, device: torch.device, dtype: torch.dtype, num_heads: int, qk_head_dim: int, v_head_dim: int
     ) -> tuple[bool, str]:
-        """Whether this backend can run a layer of these dims on ``device`` with query ``dtype``."""
+        """Whether this backend can run a layer of these dims on ``device`` with query ``dtype`` writing NVFP4. A
+        backend that writes other formats (``formats``) also takes ``output_format=`` (a
+        :class:`fusion_pass.formats.OutputFormat`) and answers for that format's kernel."""
         ...
 
     def run_varlen(
@@ -111,10 +135,38 @@ def check_device_dtype(name: str, device: torch.device, dtype: torch.dtype, dtyp
     return True, "ok"
 
 
+def writes(backend: Backend, output_format: OutputFormat, launch: str = "varlen") -> bool:
+    """Whether ``backend`` writes ``output_format`` by ``launch`` (one of :data:`LAUNCHES`): its ``formats``
+    attribute, :data:`NVFP4_ONLY` when it has none."""
+    return launch in getattr(backend, "formats", NVFP4_ONLY).get(output_format.name, ())
+
+
+def format_refusal(backend: Backend, output_format: OutputFormat) -> str | None:
+    """Why ``backend`` cannot write ``output_format`` (naming the format and what it writes), or None."""
+    if writes(backend, output_format):
+        return None
+    written = ", ".join(sorted(getattr(backend, "formats", NVFP4_ONLY)))
+    return f"{backend.name} has no {output_format.name} kernel (it writes {written})"
+
+
 def fuses(backend: Backend, context_len: int) -> bool:
     """Whether ``backend``'s fused kernel writes a prefill with ``context_len`` cached tokens: always without
     context, with context when the backend runs prefills with context (``handles_context``)."""
     return context_len == 0 or getattr(backend, "handles_context", False)
+
+
+def fused_prefills(backend: Backend, output_format: OutputFormat, context_lens,
+                   bound: Callable[[], int]) -> list[bool]:
+    """Per prefill (``context_lens``: its cached tokens, in row order), whether ``backend`` writes its rows in
+    ``output_format``: those :func:`fuses` says, except that for a format the backend has no ``merge`` launch of
+    (:func:`writes`) the prefills with cached context are fused only while their context adds up to at most
+    ``bound()`` tokens (one key/value workspace; the context workspace bound, asked only then), and none of them
+    beyond it."""
+    mask = [fuses(backend, c) for c in context_lens]
+    if not writes(backend, output_format, "merge") and any(c and f for c, f in zip(context_lens, mask)) \
+            and sum(c for c, f in zip(context_lens, mask) if f) > bound():
+        mask = [c == 0 for c in context_lens]
+    return mask
 
 
 class KernelBackend:
@@ -125,6 +177,7 @@ class KernelBackend:
     ``run_varlen``."""
 
     timed = False
+    formats = NVFP4_ONLY
     half_attention: Callable[..., Tensor] | None = None
     lse_kernel: Callable[..., tuple[Tensor, Tensor]]
     merge_kernel: Callable[..., None]

@@ -13,11 +13,13 @@ import functools
 import importlib.util
 import torch
 
+from fusion_pass import fp8
 from fusion_pass.kernels import launchers
 from fusion_pass.kernels.fa4 import common as fa4_common
 from fusion_pass.kernels.fa4 import forward, generations
 from fusion_pass.runtime.backends import canary
-from fusion_pass.runtime.backends.base import HALF_DTYPES, KernelBackend, check_device_dtype
+from fusion_pass.runtime.backends.base import (FP8_STATIC_WRITER, HALF_DTYPES, NVFP4_ONLY, KernelBackend,
+                                               check_device_dtype)
 
 __all__ = ["FA4Backend", "fa4_status"]
 
@@ -84,7 +86,15 @@ class FA4Backend(KernelBackend):
         found = "no CUDA device" if arch is None else f"sm_{arch}"
         return False, f"no measurement or kernel of this project for {found}"
 
-    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
+    @property
+    def formats(self) -> dict:
+        """NVFP4 by every launch; static FP8 by the varlen launch where the current device's generation has FA4's
+        FP8 kernel (:data:`fusion_pass.kernels.fa4.generations.GENERATIONS`' ``formats``: SM90)."""
+        generation = generations.for_arch(device_arch(None))
+        return FP8_STATIC_WRITER if generation is not None and "fp8_static" in generation.formats else NVFP4_ONLY
+
+    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim, output_format=None) -> tuple[bool, str]:
+        """FA4's head dims for every format it writes (``output_format`` changes nothing)."""
         ok, why = check_device_dtype(self.name, device, dtype, HALF_DTYPES)
         if not ok:
             return ok, why
@@ -98,6 +108,27 @@ class FA4Backend(KernelBackend):
             q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
             output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale,
             cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+
+    def run_varlen_fp8_static(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, scale, *,
+                              cu_seqlens_k=None, max_seqlen_k=None, scale_is_inverse=False,
+                              nan=fp8.NaNRule.POSITIVE_MAX) -> None:
+        """FA4's SM90 forward with the static FP8 epilogue
+        (:func:`fusion_pass.kernels.fa4.sm90_fp8.fa4_attention_fp8_static_varlen`) into rows ``[cu_seqlens[0],
+        cu_seqlens[-1])`` of ``output`` (contiguous float8_e4m3fn, ``T * H*Dv`` elements): the bytes of
+        ``fp8.quantize_static`` of FA4's own query-dtype output, ``1 / scale`` computed on the device (or
+        ``scale`` itself with ``scale_is_inverse``); no other byte is touched."""
+        from fusion_pass.kernels.fa4 import sm90_fp8
+
+        rule = fp8.NaNRule(nan)
+        if rule is fp8.NaNRule.NEGATIVE_MAX:
+            raise ValueError(f"fa4 run_varlen_fp8_static: nan must be {fp8.NaNRule.POSITIVE_MAX.value!r} or "
+                             f"{fp8.NaNRule.NAN.value!r} (the static epilogue's rules), got {rule.value!r}")
+        inv = scale if scale_is_inverse else fp8.reciprocal(scale)
+        sm90_fp8.fa4_attention_fp8_static_varlen(
+            q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
+            output=output.view(output.shape[0], -1), inv_scale=inv.reshape(1),
+            nan_to_max=rule is fp8.NaNRule.POSITIVE_MAX, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_k=max_seqlen_k)
 
     def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
                   softmax_scale, output, output_scale, output_block_scale) -> None:

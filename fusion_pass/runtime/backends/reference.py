@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from fusion_pass import nvfp4
+from fusion_pass import fp8, nvfp4
+from fusion_pass.formats import NVFP4
 from fusion_pass.kernels import launchers, reference
-from fusion_pass.runtime.backends.base import KernelBackend
+from fusion_pass.runtime.backends.base import FP8_STATIC_WRITER, KernelBackend
 
 __all__ = ["ReferenceBackend"]
 
@@ -25,6 +26,7 @@ class ReferenceBackend(KernelBackend):
     handles_context = True
     handles_paged = True  # run_paged: the keys gathered through the page table, then as run_varlen
     kv_dtype = torch.float32  # keys and values as the layer's runtime computes them: no rounding to q's dtype
+    formats = FP8_STATIC_WRITER  # NVFP4 by every launch; static FP8 by run_varlen_fp8_static
 
     def available(self) -> tuple[bool, str]:
         return True, "PyTorch float32 attention + nvfp4.quantize, any device"
@@ -34,10 +36,10 @@ class ReferenceBackend(KernelBackend):
             return True, "the CPU path: no faster fused kernel exists there"
         return False, f"PyTorch float32 attention is far slower on {device} than the unfused path's attention kernel"
 
-    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
+    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim, output_format=NVFP4) -> tuple[bool, str]:
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return False, f"reference supports float16, bfloat16 and float32 queries, got {dtype}"
-        if (num_heads * v_head_dim) % nvfp4.BLOCK_SIZE != 0:
+        if output_format is NVFP4 and (num_heads * v_head_dim) % nvfp4.BLOCK_SIZE != 0:
             return False, f"num_heads * v_head_dim = {num_heads * v_head_dim} is not divisible by 16"
         return True, "ok"
 
@@ -53,6 +55,20 @@ class ReferenceBackend(KernelBackend):
         packed, scales = nvfp4.byte_views(output, output_block_scale, t)
         launchers.quantize_rows(out32.reshape(b - a, -1), output_scale, packed, scales, a)
         nvfp4.zero_scale_padding(scales, t, packed.shape[1] * 2)
+
+    def run_varlen_fp8_static(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, scale, *,
+                              cu_seqlens_k=None, max_seqlen_k=None, scale_is_inverse=False,
+                              nan=fp8.NaNRule.POSITIVE_MAX) -> None:
+        """float32 attention per sequence, written as static per-tensor FP8 into rows ``[cu_seqlens[0],
+        cu_seqlens[-1])`` of ``output`` (float8_e4m3fn ``[T, H*Dv]``): :func:`fusion_pass.fp8.quantize_static` of it
+        under ``1 / scale`` (``scale`` float32 ``[1]``, the checkpoint's; with ``scale_is_inverse`` the inverse
+        itself), a NaN as ``nan`` says. No other row is touched. Reads ``cu_seqlens`` back (CPU-speed path)."""
+        a, b = int(cu_seqlens[0]), int(cu_seqlens[-1])
+        if cu_seqlens_k is None:  # keys at the queries' rows
+            k, v = k[a:b], v[a:b]
+        out32 = reference.varlen_attention(q[a:b], k, v, cu_seqlens - a, True, softmax_scale, cu_seqlens_k)[0]
+        inv = scale if scale_is_inverse else fp8.reciprocal(scale)
+        output.view(torch.uint8)[a:b] = fp8.quantize_static(out32.reshape(b - a, -1), inv, nan=nan).view(torch.uint8)
 
     def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
                   softmax_scale, output, output_scale, output_block_scale) -> None:

@@ -16,7 +16,8 @@ import torch
 from fusion_pass.nvfp4.checks import ArgumentError
 from fusion_pass.runtime import settings
 from fusion_pass.runtime.backends import registry
-from fusion_pass.runtime.backends.base import Backend
+from fusion_pass.formats import NVFP4, OutputFormat
+from fusion_pass.runtime.backends.base import Backend, format_refusal
 
 __all__ = ["BACKEND_ORDER", "get_backend", "list_backends", "refresh", "select_backend"]
 
@@ -71,8 +72,10 @@ def select_backend(
     *,
     preferred: str | None = None,
     fast_only: bool = True,
+    output_format: OutputFormat = NVFP4,
 ) -> tuple[Backend | None, str]:
-    """The first available backend that supports the layer, and why.
+    """The first available backend that supports the layer and writes ``output_format`` (a
+    :class:`fusion_pass.formats.OutputFormat`; its ``formats``, :func:`.base.writes`), and why.
 
     ``preferred`` (a backend name, or ``"auto"``) overrides the configured
     choice (:func:`fusion_pass.runtime.settings.configured_backend`); a named choice restricts the search to
@@ -89,7 +92,12 @@ def select_backend(
     for backend in candidates:
         ok, why = backend.available()
         if ok:
-            ok, unsupported = backend.supports(device, dtype, num_heads, qk_head_dim, v_head_dim)
+            refusal = format_refusal(backend, output_format)
+            ok, unsupported = (True, "") if refusal is None else (False, refusal)
+            if ok:  # the format's own constraints on the layer are the backend's to say (NVFP4: the plain call)
+                shape = (device, dtype, num_heads, qk_head_dim, v_head_dim)
+                ok, unsupported = (backend.supports(*shape) if output_format is NVFP4
+                                   else backend.supports(*shape, output_format=output_format))
             if ok and choice == "auto" and fast_only:
                 ok, unsupported = backend.fast_on(device)
                 unsupported = f"not picked by auto: {unsupported}"

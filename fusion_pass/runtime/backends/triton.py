@@ -10,9 +10,10 @@ from typing import Any, Callable
 
 import torch
 
-from fusion_pass import nvfp4
+from fusion_pass import fp8, nvfp4
+from fusion_pass.formats import NVFP4
 from fusion_pass.kernels import launchers
-from fusion_pass.runtime.backends.base import HALF_DTYPES, KernelBackend, check_device_dtype
+from fusion_pass.runtime.backends.base import FP8_STATIC_WRITER, HALF_DTYPES, KernelBackend, check_device_dtype
 
 __all__ = ["TRITON_KERNEL_MODULE", "TritonBackend", "triton_availability"]
 
@@ -69,6 +70,7 @@ class TritonBackend(KernelBackend):
     half_attention = staticmethod(launchers.triton_attention_half_varlen)  # the Triton kernel in the query dtype
     handles_context = True  # keys context + new tokens (cu_seqlens_k), see run_prefills
     handles_paged = True  # run_paged: the Triton kernel reading keys and values through the page table
+    formats = FP8_STATIC_WRITER  # NVFP4 by every launch; static FP8 by run_varlen_fp8_static (its FP8 epilogue)
 
     def available(self) -> tuple[bool, str]:
         return triton_status()
@@ -81,11 +83,11 @@ class TritonBackend(KernelBackend):
         return False, ("measured at 0.67-0.82x of cuDNN attention + quant on the H200 (docs/benchmarks.md); "
                        "it runs when asked for by name")
 
-    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim) -> tuple[bool, str]:
+    def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim, output_format=NVFP4) -> tuple[bool, str]:
         ok, why = check_device_dtype(self.name, device, dtype, HALF_DTYPES)
         if not ok:
             return ok, why
-        if v_head_dim % nvfp4.BLOCK_SIZE != 0:
+        if output_format is NVFP4 and v_head_dim % nvfp4.BLOCK_SIZE != 0:
             return False, f"triton's NVFP4 epilogue needs v_head_dim divisible by 16, got {v_head_dim}"
         return True, "ok"
 
@@ -95,6 +97,17 @@ class TritonBackend(KernelBackend):
             q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
             output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale,
             cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
+
+    def run_varlen_fp8_static(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, scale, *,
+                              cu_seqlens_k=None, max_seqlen_k=None, scale_is_inverse=False,
+                              nan=fp8.NaNRule.POSITIVE_MAX) -> None:
+        """The Triton kernel's static FP8 epilogue
+        (:func:`fusion_pass.kernels.launchers.flash_attention_fp8_static_varlen`) into rows ``[cu_seqlens[0],
+        cu_seqlens[-1])`` of ``output`` (float8_e4m3fn ``[T, H*Dv]``); no other byte is touched."""
+        launchers.flash_attention_fp8_static_varlen(
+            q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
+            output=output, scale=scale, scale_is_inverse=scale_is_inverse, nan=nan, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_k=max_seqlen_k)
 
     def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
                   softmax_scale, output, output_scale, output_block_scale) -> None:

@@ -5,10 +5,12 @@ benchmarks use, as vLLM is the other host (:mod:`fusion_pass.vllm.runtime`).
   (:func:`~.batch.batch`, :func:`~.batch.current_batch`);
 * :mod:`.registry`: ``layer_name`` -> the layer's runtime (``register_layer``; names global to the process), KV
   cache snapshot / restore / clear;
-* :mod:`.cache`: the per-request KV cache (:class:`~.cache.RequestCache`, a transaction that rolls back);
+* :mod:`.cache`: what the KV caches share (:class:`~.cache.KVCache`: the batch check, a transaction that rolls
+  back) and MLA's per-request cache (:class:`~.cache.RequestCache`);
+* :mod:`.paged_cache`: the standard layers' KV cache in pages (:class:`~.paged_cache.PagedCache`);
 * :mod:`.mla`, :mod:`.standard`: the MLA and MHA/GQA runtimes (``MLAAttentionImpl``, ``AttentionImpl``);
-* :mod:`.attention_call`: one call of the project's attention ops: the core's guard -> row plan -> backend, or
-  the exact unfused computation.
+* :mod:`.attention_call`: one call of the project's attention ops: the core's guard -> row plan -> backend, one
+  paged launch of every row (a standard layer's mixed call), or the exact unfused computation.
 
 The engine imports the core (:mod:`fusion_pass.runtime.guard`, ``row_plan``, ``backends``, ``settings``,
 ``counters``, ``self_check``, ``policy``); the core imports nothing of the engine (``tests/test_architecture.py``).

@@ -2,7 +2,8 @@
 unfused computation; counted once it has completed.
 
 The walk goes down only: :func:`run` -> :func:`fusion_pass.runtime.guard.decide` ->
-:func:`fusion_pass.runtime.row_plan.run_on_prefill` -> the backend's kernels (:mod:`fusion_pass.kernels`).
+:func:`fusion_pass.runtime.row_plan.run_on_prefill` (or, for a standard layer's mixed call, one paged launch:
+:func:`_run_one_call`) -> the backend's kernels (:mod:`fusion_pass.kernels`).
 The op (:mod:`fusion_pass.ops.attention`) has checked every argument before calling :func:`run`.
 """
 
@@ -13,9 +14,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from fusion_pass import nvfp4
+from fusion_pass import formats, nvfp4
 from fusion_pass.kernels import launchers
 from fusion_pass.runtime import backends, counters, guard, row_plan, self_check, settings
+from fusion_pass.runtime.engine import fp8_call
 
 __all__ = ["layer_shape", "run"]
 
@@ -90,16 +92,46 @@ def _attention(impl, inputs: tuple, spec, q: Tensor) -> Tensor:
     return kernel(q, k, v, cu_seqlens, max_seqlen, impl.softmax_scale)
 
 
-def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, layer_name: str | None = None) -> None:
+def _one_call_refusal(impl, inputs: tuple, spec) -> str | None:
+    """Why the call cannot be offered to the guard as one launch over the layer's paged cache (None: it can): an
+    MLA layer computes its decode rows in the absorbed form over its latent cache; a standard layer's
+    ``paged_refusal`` (dtypes); a call without both decode and prefill rows is never one (the guard's rule)."""
+    if not (spec.num_decode_tokens and spec.num_prefills):
+        return "not a mixed call"
+    refusal = getattr(impl, "paged_refusal", None)
+    if refusal is None:
+        return "an MLA layer's decode rows are the absorbed form over its latent cache"
+    return refusal(*inputs, spec)
+
+
+def _run_one_call(backend, impl, inputs: tuple, spec, output: Tensor, output_scale: Tensor,
+                  output_block_scale: Tensor) -> None:
+    """Every row of the call, decode rows included, in one launch of ``backend.run_paged`` over the layer's pages,
+    after appending the call's new keys and values to them (``impl.paged_inputs``): ``output`` uint8 ``[T,
+    H*Dv/2]`` and the swizzled ``output_block_scale`` written whole, scale padding zeroed."""
+    q = inputs[0] if inputs[0].stride(-1) == 1 else inputs[0].contiguous()  # the kernels' layout
+    paged = impl.paged_inputs(*inputs[1:], spec)
+    packed, scales = nvfp4.byte_views(output, output_block_scale, spec.num_tokens)
+    backend.run_paged(q, paged.k_pages, paged.v_pages, paged.cu_seqlens, paged.max_query_len, paged.seq_lens,
+                      paged.block_table, paged.max_seq_len, impl.softmax_scale, packed, output_scale, scales)
+
+
+def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, layer_name: str | None = None,
+        output_format: formats.OutputFormat | None = None) -> None:
     """One attention call of ``impl`` (an MLA or standard runtime) on ``inputs`` for the batch ``spec``.
 
     Without ``output_scale``: attention in the query dtype, not guarded (:func:`_attention`). With it (the
     global scale; NVFP4 output): :func:`fusion_pass.runtime.guard.decide` picks the rows; the fused rows run
     the selected backend through the row plan (attention quantized from float32), the others exactly the
-    unfused computation (attention rounded to the query dtype, then quantized); a call whose key/value inputs
-    are not in the query dtype is not fused by a backend that would round them (the guard's ``kv_dtype``);
-    :func:`fusion_pass.runtime.counters.record` counts the call once it has completed (under ``layer_name`` too). Should the computation
-    fail part-way, the layer's cache is rolled back (``impl.cache.transaction()``).
+    unfused computation (attention rounded to the query dtype, then quantized); a standard layer's call with
+    decode and prefill rows is offered as one launch over the layer's paged cache (``Decision.one_call``: every
+    row, decode rows included, written by ``backend.run_paged``; :func:`_one_call_refusal` says when it is not);
+    a call whose key/value inputs are not in the query dtype is not fused by a backend that would round them (the
+    guard's ``kv_dtype``); :func:`fusion_pass.runtime.counters.record` counts the call once it has completed (under
+    ``layer_name`` too). Should the computation fail part-way, the layer's cache is rolled back
+    (``impl.cache.transaction()``). ``output_format``: the format the buffers say
+    (:func:`fusion_pass.formats.call_format`, read here when not given); static FP8 goes to
+    :func:`fusion_pass.runtime.engine.fp8_call.run`.
     """
     q = inputs[0]
     settings.check_environment()
@@ -108,9 +140,18 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, 
             out = _attention(impl, inputs, spec, q)
             _write_output(out, q.dtype, output, output_scale, output_block_scale)
         return
-    decision = guard.decide(guard.BatchRows.from_spec(spec), layer_shape(impl, q, inputs))
+    output_format = output_format or formats.call_format(output, output_scale, output_block_scale)
+    if output_format is not formats.NVFP4:  # the format's own row plan
+        fp8_call.run(impl, inputs, spec, output, output_scale, output_format, layer=layer_shape(impl, q, inputs),
+                     attention=_attention, layer_name=layer_name)
+        return
+    decision = guard.decide(guard.BatchRows.from_spec(spec), layer_shape(impl, q, inputs),
+                            one_call_refusal=_one_call_refusal(impl, inputs, spec))
     with impl.cache.transaction():
-        if decision.fused:
+        if decision.one_call:
+            _run_one_call(backends.get_backend(decision.backend), impl, inputs, spec, output, output_scale,
+                          output_block_scale)
+        elif decision.fused:
             row_plan.run_on_prefill(backends.get_backend(decision.backend), impl, inputs, spec, output, output_scale,
                                     output_block_scale)
         else:

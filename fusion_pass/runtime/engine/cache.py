@@ -1,5 +1,6 @@
-"""Per-request KV cache bookkeeping shared by the stand-in engine's runtimes (their context source is a
-:data:`fusion_pass.runtime.row_plan.ContextRows`)."""
+"""KV cache bookkeeping shared by the stand-in engine's runtimes (their context source is a
+:data:`fusion_pass.runtime.row_plan.ContextRows`): the check and transaction both caches share (:class:`KVCache`)
+and MLA's per-request cache (:class:`RequestCache`; the standard layers' paged one: :mod:`.paged_cache`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import Tensor
 from fusion_pass.nvfp4.checks import ArgumentError, check_int
 from fusion_pass.runtime.engine.batch import BatchSpec, RequestSpec
 
-__all__ = ["CachedLayer", "RequestCache", "packed_rows", "positive_int", "positive_softmax_scale"]
+__all__ = ["CachedLayer", "KVCache", "RequestCache", "packed_rows", "positive_int", "positive_softmax_scale"]
 
 
 def positive_int(owner: str, name: str, value: int) -> int:
@@ -54,11 +55,92 @@ class _Log:
         self.written.update(inner.written)
 
 
-class RequestCache:
+class KVCache:
+    """What both caches share: the check of a batch against the cached lengths, and a :meth:`transaction` that
+    undoes a failed ``with`` body's changes, per thread (a thread-local stack of transaction logs).
+
+    Subclasses hold ``_lock`` and ``_local`` (a ``threading.local``) and say how long an entry is and where it
+    lives (``_held``), what a log is (``_new_log``: an object with ``absorb``), how a failed body's log is undone
+    (``_undo``, called without the lock held) and what the outermost finished transaction settles (``_settle``)."""
+
+    _local: threading.local
+
+    def _logs(self) -> list:
+        """The calling thread's open transactions, innermost last."""
+        logs = getattr(self._local, "logs", None)
+        if logs is None:
+            logs = self._local.logs = []
+        return logs
+
+    def _held(self, request_id: str) -> tuple[int, torch.device | None]:
+        raise NotImplementedError
+
+    def length(self, request_id: str) -> int:
+        """Tokens cached for ``request_id`` (0 if unknown)."""
+        return self._held(request_id)[0]
+
+    def check(self, spec: BatchSpec, *, device: torch.device | None = None) -> None:
+        """Every request's cached length must equal its ``context_len``.
+
+        Requests with ``context_len == 0`` start fresh, so are not checked.
+        With ``device``, the cached context the batch reads must live there
+        (the new tokens are appended to it). Called before any entry is
+        touched, so a failing batch changes nothing; reads only.
+        """
+        for r in spec.requests:
+            held, cached = self._held(r.request_id)
+            if r.context_len > 0 and held != r.context_len:
+                raise ValueError(
+                    f"request {r.request_id}: batch says context_len={r.context_len} "
+                    f"but the cache holds {held} tokens"
+                )
+            if device is not None and r.context_len > 0 and cached != torch.device(device):
+                raise ValueError(
+                    f"request {r.request_id}: its cached context is on {cached}, "
+                    f"the new tokens are on {torch.device(device)}"
+                )
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Undo the changes this thread's ``with`` body made to the cache if the body raises.
+
+        Only the body's own changes: each change inside it records the entry it replaces (per request id, the
+        first time), and a failure puts back exactly those entries (removing ids the body created), leaving
+        every other id alone, whatever other threads wrote meanwhile. An entry another thread has replaced
+        since the body last wrote it is left as that thread wrote it. Transactions nest: a failing inner one
+        undoes its own changes only; a finished inner one's changes become the outer one's.
+        """
+        logs = self._logs()
+        log = self._new_log()
+        logs.append(log)
+        try:
+            yield
+        except BaseException:
+            logs.pop()
+            self._undo(log)
+            raise
+        logs.pop()
+        if logs:
+            logs[-1].absorb(log)
+        else:
+            self._settle(log)
+
+    def _new_log(self):
+        raise NotImplementedError
+
+    def _undo(self, log) -> None:
+        raise NotImplementedError
+
+    def _settle(self, log) -> None:
+        """Nothing to settle."""
+
+
+class RequestCache(KVCache):
     """``request_id -> tuple of tensors`` whose dim 0 is the token axis.
 
     Safe to share between threads that run batches of different requests: each :meth:`transaction` undoes
-    only its own thread's changes (a thread-local stack of transaction logs)."""
+    only its own thread's changes. Cheap: entries are never modified in place (a step replaces them), so a
+    transaction's log shares the tensors."""
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[torch.Tensor, ...]] = {}
@@ -73,71 +155,22 @@ class RequestCache:
         self.__init__()
         self._entries = dict(state["_entries"])
 
-    def _logs(self) -> list[_Log]:
-        """The calling thread's open transactions, innermost last."""
-        logs = getattr(self._local, "logs", None)
-        if logs is None:
-            logs = self._local.logs = []
-        return logs
-
-    def length(self, request_id: str) -> int:
+    def _held(self, request_id: str) -> tuple[int, torch.device | None]:
         entry = self._entries.get(request_id)
-        return 0 if entry is None else entry[0].shape[0]
+        return (0, None) if entry is None else (entry[0].shape[0], entry[0].device)
 
-    def check(self, spec: BatchSpec, *, device: torch.device | None = None) -> None:
-        """Every request's cached length must equal its ``context_len``.
+    def _new_log(self) -> _Log:
+        return _Log()
 
-        Requests with ``context_len == 0`` start fresh, so are not checked.
-        With ``device``, the cached context the batch reads must live there
-        (the new tokens are appended to it). Called before any entry is
-        touched, so a failing batch changes nothing; reads only.
-        """
-        for r in spec.requests:
-            entry = self._entries.get(r.request_id)
-            held = 0 if entry is None else entry[0].shape[0]
-            if r.context_len > 0 and held != r.context_len:
-                raise ValueError(
-                    f"request {r.request_id}: batch says context_len={r.context_len} "
-                    f"but the cache holds {held} tokens"
-                )
-            if device is not None and r.context_len > 0:
-                cached = entry[0].device
-                if cached != torch.device(device):
-                    raise ValueError(
-                        f"request {r.request_id}: its cached context is on {cached}, "
-                        f"the new tokens are on {torch.device(device)}"
-                    )
-
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """Undo the changes this thread's ``with`` body made to the cache if the body raises.
-
-        Only the body's own changes: each :meth:`extend` inside it records the entry it replaces (per request
-        id, the first time), and a failure puts back exactly those entries (removing ids the body created),
-        leaving every other id alone, whatever other threads wrote meanwhile. An entry another thread has
-        replaced since the body last wrote it is left as that thread wrote it. Transactions nest: a
-        failing inner one undoes its own changes only; a finished inner one's changes become the outer one's.
-        Cheap: entries are never modified in place (a step replaces them), so the log shares the tensors.
-        """
-        logs = self._logs()
-        log = _Log()
-        logs.append(log)
-        try:
-            yield
-        except BaseException:
-            logs.pop()
-            with self._lock:
-                for request_id, previous in log.previous.items():
-                    if self._entries.get(request_id) is not log.written[request_id]:
-                        continue  # replaced since (clear, restore, another thread): not this body's to undo
-                    if previous is None:
-                        del self._entries[request_id]
-                    else:
-                        self._entries[request_id] = previous
-            raise
-        logs.pop()
-        if logs:
-            logs[-1].absorb(log)
+    def _undo(self, log: _Log) -> None:
+        with self._lock:
+            for request_id, previous in log.previous.items():
+                if self._entries.get(request_id) is not log.written[request_id]:
+                    continue  # replaced since (clear, restore, another thread): not this body's to undo
+                if previous is None:
+                    del self._entries[request_id]
+                else:
+                    self._entries[request_id] = previous
 
     def extend(
         self, request: RequestSpec, new: tuple[torch.Tensor, ...], *, owned: bool = False
@@ -192,10 +225,11 @@ def packed_rows(pieces: list[Tensor], lo: int, hi: int) -> Tensor:
 
 
 class CachedLayer:
-    """What both runtimes share: a per-request KV cache (``cache``, a :class:`RequestCache`: the public API
-    the row plan and the op's rollback use) and its two user-facing queries."""
+    """What both runtimes share: a KV cache per layer (``cache``, a :class:`KVCache`: MLA's
+    :class:`RequestCache`, the standard layer's :class:`~fusion_pass.runtime.engine.paged_cache.PagedCache`; the
+    op's rollback uses its transaction) and its two user-facing queries."""
 
-    cache: RequestCache
+    cache: KVCache
 
     def clear_cache(self) -> None:
         """Drop every request's cached tokens."""

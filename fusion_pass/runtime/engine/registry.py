@@ -93,8 +93,9 @@ def clear_kv_caches() -> None:
 def snapshot_kv_caches() -> dict[str, dict]:
     """The KV caches of every registered layer, to :func:`restore_kv_caches` later.
 
-    Cheap: cache entries are never modified in place (a step replaces them),
-    so the snapshot shares the tensors.
+    MLA's entries are never modified in place (a step replaces them), so the
+    snapshot shares their tensors; a standard layer's paged cache is written in
+    place, so its tokens are copied out of the pages.
     """
     return {name: impl.cache.entries() for name, impl in registered_layers().items()}
 

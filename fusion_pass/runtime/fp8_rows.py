@@ -1,0 +1,124 @@
+"""How the rows of one attention call reach a fused backend when the call writes static per-tensor FP8.
+
+The static FP8 :class:`~fusion_pass.runtime.row_plan.RowWriter` (:class:`FP8StaticRows`) and its entry points into
+:mod:`fusion_pass.runtime.row_plan`'s plan, for the format
+:data:`fusion_pass.formats.FP8_STATIC`: ``output`` float8_e4m3fn ``[T, H*Dv]`` (row = token, column ``h*Dv + d``)
+under one float32 scale ``scale`` (the checkpoint's, ``[1]``). Every row is written by exactly one writer, and
+FP8 rows share no byte (no scale tile), so the writers need no order beyond "fused kernel first, post-quantized
+rows after":
+
+* :func:`run_prefills_fp8_static`: the backend's FP8 kernel (``run_varlen_fp8_static``) on a run of prefills at
+  their rows, prefills with cached context through one key/value workspace of context + new tokens
+  (``cu_seqlens_k``), as :func:`~fusion_pass.runtime.row_plan.run_prefills` does within the workspace bound.
+  Beyond the bound NVFP4 merges context chunks; no backend has an FP8 merge yet, so the guard does not fuse
+  such prefills (:func:`fusion_pass.runtime.backends.base.fused_prefills`) and this function refuses them;
+* :func:`run_on_prefill_fp8_static`: a whole call: the fused prefills first, then every other row (decode rows,
+  prefills the backend does not fuse) computed as the unfused graph computes it, rounded to the query dtype and
+  quantized into its own rows (:func:`post_quantize_rows_fp8_static`);
+* :func:`write_fp8_static`: the unfused computation's bytes for every row (the guard's fallback).
+
+The unfused bytes are vLLM's ``static_scaled_fp8_quant`` of the query-dtype attention:
+:func:`fusion_pass.fp8.quantize_static` under :func:`fusion_pass.fp8.reciprocal` of the scale, a NaN +448 (``0x7E``,
+:attr:`fusion_pass.fp8.NaNRule.POSITIVE_MAX`); the fused rows are the same quantizer applied to the kernel's own
+float32 output, in the same NaN rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fusion_pass import fp8
+from fusion_pass.formats import FP8_STATIC
+from fusion_pass.runtime.backends.base import fused_prefills
+from fusion_pass.runtime.row_plan import ContextRows, check_prefills, run_rows, write_prefills
+from fusion_pass.runtime.settings import check_token_count, context_workspace_tokens
+
+__all__ = ["FP8StaticRows", "NAN_RULE", "post_quantize_rows_fp8_static", "run_on_prefill_fp8_static", "run_prefills_fp8_static",
+           "write_fp8_static"]
+
+NAN_RULE = fp8.NaNRule.POSITIVE_MAX
+"""What a NaN becomes in the op form's bytes: +448 (``0x7E``), vLLM's ``static_scaled_fp8_quant``."""
+
+
+def _rows2d(output: Tensor, t: int) -> Tensor:
+    """``output`` (contiguous float8_e4m3fn, ``T * H*Dv`` elements: ``[T, H*Dv]`` or ``[T, H, Dv]``) as uint8 ``[T,
+    H*Dv]`` bytes, a view."""
+    return output.view(torch.uint8).view(t, -1)
+
+
+def post_quantize_rows_fp8_static(rows: Tensor, scale: Tensor, output: Tensor, row_start: int, t: int) -> None:
+    """Quantize ``rows [M, ...]`` (the query-dtype attention of ``M`` tokens; ``H*Dv`` elements per row) into rows
+    ``[row_start, row_start + M)`` of the ``T``-row FP8 ``output``, touching no other row: the bytes of vLLM's
+    ``static_scaled_fp8_quant(result, rows, scale)``. No device value is read back."""
+    q8 = fp8.quantize_static(rows.reshape(rows.shape[0], -1), fp8.reciprocal(scale), nan=NAN_RULE)
+    _rows2d(output, t)[row_start:row_start + rows.shape[0]] = q8.view(torch.uint8)
+
+
+def write_fp8_static(out: Tensor, dtype: torch.dtype, output: Tensor, scale: Tensor) -> None:
+    """The unfused graph's bytes of every row: attention ``out [T, H, Dv]`` rounded to ``dtype`` (the query dtype:
+    the attention op's output), then :func:`post_quantize_rows_fp8_static` of all ``T`` rows."""
+    post_quantize_rows_fp8_static(out.to(dtype), scale, output, 0, out.shape[0])
+
+
+class FP8StaticRows:
+    """:class:`~fusion_pass.runtime.row_plan.RowWriter` of static per-tensor FP8: ``output`` float8_e4m3fn (``T *
+    H*Dv`` elements, contiguous), ``scale`` float32 ``[1]`` (the checkpoint's); a backend writes the prefills
+    :func:`~fusion_pass.runtime.backends.base.fused_prefills` says (no merge: with context, only within the
+    workspace bound) by ``run_varlen_fp8_static``; other rows :func:`post_quantize_rows_fp8_static`."""
+
+    merge = None  # no FP8 merge of context chunks
+
+    def __init__(self, output: Tensor, scale: Tensor, t: int) -> None:
+        self.output, self.scale, self.t = output, scale, t
+
+    def fused(self, backend: Any, context_lens: list[int]) -> list[bool]:
+        return fused_prefills(backend, FP8_STATIC, context_lens, context_workspace_tokens)
+
+    def varlen(self, backend, q, k, v, cu_q, max_q, softmax_scale, cu_k, max_k) -> None:
+        backend.run_varlen_fp8_static(q, k, v, cu_q, max_q, softmax_scale,
+                                      self.output.view(fp8.FP8).view(self.t, -1), self.scale, cu_seqlens_k=cu_k,
+                                      max_seqlen_k=max_k, nan=NAN_RULE)
+
+    def rows(self, x: Tensor, row_start: int) -> None:
+        post_quantize_rows_fp8_static(x, self.scale, self.output, row_start, self.t)
+
+
+def run_prefills_fp8_static(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: int, query_lens: list[int],
+                            context_lens: list[int], context: ContextRows | None, softmax_scale: float,
+                            output: Tensor, scale: Tensor, workspace_tokens: int | None = None) -> None:
+    """The backend's fused static-FP8 attention of a run of prefills, some with cached context, at their rows.
+
+    Args as :func:`fusion_pass.runtime.row_plan.run_prefills`, with ``output`` float8_e4m3fn (``T * H*Dv``
+    elements, contiguous) and ``scale`` float32 ``[1]`` (the checkpoint's) in place of the NVFP4 buffers. The
+    prefills' cached context must fit the workspace bound (``workspace_tokens``, default
+    :func:`context_workspace_tokens`): one ``backend.run_varlen_fp8_static`` call over keys that are, per request,
+    its context then its new tokens. A context beyond the bound raises ValueError (no FP8 merge of context chunks
+    exists; the guard post-quantizes such prefills instead), as does every mismatch
+    :func:`~fusion_pass.runtime.row_plan.check_prefills` finds, before any kernel runs.
+
+    Rows outside ``[first_row, first_row + sum(query_lens))`` are not written.
+    """
+    query_lens, context_lens = check_prefills(q, k, v, first_row, query_lens, context_lens, context)
+    if workspace_tokens is not None:
+        check_token_count("run_prefills_fp8_static(workspace_tokens)", workspace_tokens)
+    bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
+    total_context = sum(context_lens)
+    if total_context > bound:
+        raise ValueError(f"run_prefills_fp8_static: context_lens sum to {total_context} cached tokens, beyond the "
+                         f"context workspace bound of {bound} tokens: {FP8_STATIC.name} has no merge of context "
+                         f"chunks (the guard post-quantizes such prefills)")
+    write_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale,
+                  FP8StaticRows(output, scale, q.shape[0]), bound)
+
+
+def run_on_prefill_fp8_static(backend: Any, impl: Any, inputs: tuple, spec: Any, output: Tensor,
+                              scale: Tensor) -> None:
+    """The fused backend's FP8 kernel on the rows of the prefills it writes in this format
+    (:func:`~fusion_pass.runtime.backends.base.fused_prefills`: every prefill without cached context, those with it
+    while their context fits the workspace bound), at their global rows; every other row computed by the layer's
+    runtime as the unfused graph computes it (float32), rounded to the query dtype and post-quantized into its rows
+    (:func:`fusion_pass.runtime.row_plan.run_rows` with :class:`FP8StaticRows`)."""
+    run_rows(backend, impl, inputs, spec, FP8StaticRows(output, scale, spec.num_tokens))
