@@ -49,7 +49,7 @@ def mla_pattern(ops, q, kv_c_normed, k_pe, output, quant_out, quant_scale, globa
 
 
 def mla_replacement(ops, q, kv_c_normed, k_pe, output, quant_out, quant_scale, global_scale, layer_name):
-    ops.writing_nvfp4("mla_attention")(q, kv_c_normed, k_pe, quant_out, layer_name, global_scale, quant_scale)
+    ops.writing_quantized("mla_attention")(q, kv_c_normed, k_pe, quant_out, layer_name, global_scale, quant_scale)
     return quant_out, quant_scale
 
 
@@ -64,8 +64,33 @@ def attention_pattern(ops, q, k, v, output, quant_out, quant_scale, global_scale
 
 
 def attention_replacement(ops, q, k, v, output, quant_out, quant_scale, global_scale, layer_name):
-    ops.writing_nvfp4("attention")(q, k, v, quant_out, layer_name, global_scale, quant_scale)
+    ops.writing_quantized("attention")(q, k, v, quant_out, layer_name, global_scale, quant_scale)
     return quant_out, quant_scale
+
+
+# ---------------------------------------------------------------- static per-tensor FP8 (``static_scaled_fp8_quant``)
+
+
+def mla_fp8_static_pattern(ops, q, kv_c_normed, k_pe, output, quant_out, scale, layer_name):
+    ops.mla_attention(q, kv_c_normed, k_pe, output, layer_name)
+    ops.fp8_static_quant(quant_out, output, scale)
+    return (quant_out,)
+
+
+def mla_fp8_static_replacement(ops, q, kv_c_normed, k_pe, output, quant_out, scale, layer_name):
+    ops.writing_quantized("mla_attention")(q, kv_c_normed, k_pe, quant_out, layer_name, scale)
+    return (quant_out,)
+
+
+def attention_fp8_static_pattern(ops, q, k, v, output, quant_out, scale, layer_name):
+    ops.attention(q, k, v, output, layer_name)
+    ops.fp8_static_quant(quant_out, output.reshape(output.shape[0], -1), scale)
+    return (quant_out,)
+
+
+def attention_fp8_static_replacement(ops, q, k, v, output, quant_out, scale, layer_name):
+    ops.writing_quantized("attention")(q, k, v, quant_out, layer_name, scale)
+    return (quant_out,)
 
 
 # ---------------------------------------------------------------- already quantized by another pass
@@ -92,6 +117,10 @@ def _nvfp4_buffers(width: int):
             torch.ones(1, dtype=torch.float32))
 
 
+def _fp8_static_buffers(width: int):
+    return torch.empty(_T, width, dtype=torch.float8_e4m3fn), torch.ones(1, dtype=torch.float32)
+
+
 def mla_example_inputs():
     nope, rope, lora = 16, 8, 32
     return (torch.randn(_T, _H, nope + rope, dtype=torch.bfloat16), torch.randn(_T, lora, dtype=torch.bfloat16),
@@ -104,6 +133,19 @@ def attention_example_inputs():
     return (torch.randn(_T, _H, d, dtype=torch.bfloat16), torch.randn(_T, hkv, d, dtype=torch.bfloat16),
             torch.randn(_T, hkv, _DV, dtype=torch.bfloat16), torch.empty(_T, _H, _DV, dtype=torch.bfloat16),
             *_nvfp4_buffers(_H * _DV))
+
+
+def mla_fp8_static_example_inputs():
+    return (*mla_example_inputs()[:4], *_fp8_static_buffers(_H * _DV))
+
+
+def attention_fp8_static_example_inputs():
+    return (*attention_example_inputs()[:4], *_fp8_static_buffers(_H * _DV))
+
+
+def any_head_dim(shape) -> str | None:
+    """Per-tensor FP8 writes each element on its own: any head width."""
+    return None
 
 
 def v_head_dim_fits_nvfp4_blocks(shape) -> str | None:
@@ -121,7 +163,9 @@ class AttentionQuantPattern:
     plain functions; ``role`` names the vocabulary's attention op; ``inputs``
     are that op's tensor inputs (the first ``len(inputs)`` arguments);
     ``extra_check(shape)`` (``shape`` a :class:`fusion_pass.compile.matcher.AttentionShape`: ``num_heads``,
-    ``v_head_dim``) returns a refusal reason or None. Which graph form
+    ``v_head_dim``) returns a refusal reason or None; ``format`` names the output format
+    (:data:`fusion_pass.formats.FORMATS`) whose quant form (:meth:`OpVocabulary.quant_form`) and GEMM forms
+    the match follows. Which graph form
     the entry matches, and how it is rewritten, follows from the traced
     ``pattern`` (module docstring).
     """
@@ -133,6 +177,7 @@ class AttentionQuantPattern:
     replacement: Callable
     example_inputs: Callable[[], tuple]
     extra_check: Callable = v_head_dim_fits_nvfp4_blocks
+    format: str = "nvfp4"
 
 
 PATTERNS: tuple[AttentionQuantPattern, ...] = (
@@ -144,4 +189,10 @@ PATTERNS: tuple[AttentionQuantPattern, ...] = (
                           mla_prequantized_pattern, mla_replacement, mla_example_inputs),
     AttentionQuantPattern("attention_nvfp4_prequantized", "attention", ("q", "k", "v"),
                           attention_prequantized_pattern, attention_replacement, attention_example_inputs),
+    AttentionQuantPattern("mla_attention_fp8_static_quant", "mla_attention", ("q", "kv_c_normed", "k_pe"),
+                          mla_fp8_static_pattern, mla_fp8_static_replacement, mla_fp8_static_example_inputs,
+                          any_head_dim, "fp8_static"),
+    AttentionQuantPattern("attention_fp8_static_quant", "attention", ("q", "k", "v"),
+                          attention_fp8_static_pattern, attention_fp8_static_replacement,
+                          attention_fp8_static_example_inputs, any_head_dim, "fp8_static"),
 )

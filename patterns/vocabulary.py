@@ -16,12 +16,45 @@ from torch._ops import OpOverload
 
 
 @dataclass(frozen=True)
-class GemmForm:
-    """One NVFP4 GEMM op that reads the quant's outputs as they are: the packed codes ``[M, K/2]`` and the
-    128x4 swizzled block scales (the bytes the fused attention call writes in their place).
+class QuantForm:
+    """One quant op of an output format as a graph calls it.
 
-    ``activation`` / ``block_scale`` name the op's arguments that take them (through views, dtype views or
-    copies of the same bytes; the codes may also be zero-padded per row). ``expects``: ``(argument, value)``
+    ``format``: the :class:`~fusion_pass.formats.OutputFormat`'s name; ``op``: the op; ``input``: its argument
+    that reads the attention output; ``buffers``: its mutable arguments, the buffers the fused attention call
+    writes in their place (the format's buffers, in order); ``scale_input``: its scale argument the fused call
+    passes on as the attention op's ``output_scale`` (NVFP4's global scale, FP8's static scale); ``gemm_scale``:
+    the argument (a buffer or ``scale_input``) whose value a GEMM of the format must read as its scale;
+    ``requires``: ``(argument, accepted values, reason)``: a call whose argument has another value (or one
+    known only at run time) is refused with ``reason``.
+    """
+
+    format: str
+    op: OpOverload
+    input: str
+    buffers: tuple[str, ...]
+    scale_input: str
+    gemm_scale: str
+    requires: tuple[tuple[str, tuple, str], ...] = ()
+
+    def refusal(self, args: dict) -> str | None:
+        """The reason a call with ``args`` (argument name -> value or graph node) is refused, or None."""
+        def value(name):
+            v = args.get(name)
+            return tuple(v) if isinstance(v, list) else v
+
+        return next((reason for name, accepted, reason in self.requires
+                     if isinstance(args.get(name), torch.fx.Node) or value(name) not in accepted), None)
+
+
+@dataclass(frozen=True)
+class GemmForm:
+    """One GEMM op that reads a quant's outputs as they are (NVFP4: the packed codes ``[M, K/2]`` and the
+    128x4 swizzled block scales; FP8 static: the codes ``[M, K]`` and the quant's scale): the bytes the fused
+    attention call writes in their place. ``format``: the output format's name.
+
+    ``activation`` / ``block_scale`` name the op's arguments that take the codes and the quant's scale
+    (:attr:`QuantForm.gemm_scale`; through views, dtype views or copies of the same bytes; NVFP4 codes may
+    also be zero-padded per row). ``expects``: ``(argument, value)``
     pairs a call must have to be this form (others select another format, e.g. MXFP4). ``refuses``:
     ``(argument, value, reason)``: a call with that value reads a layout the fused call does not write and
     is refused with ``reason``. ``emitted_by`` names what emits the form (documentation only).
@@ -34,6 +67,7 @@ class GemmForm:
     expects: tuple[tuple[str, object], ...] = ()
     refuses: tuple[tuple[str, object, str], ...] = ()
     emitted_by: tuple[str, ...] = ()
+    format: str = "nvfp4"
 
     def takes(self, args: dict) -> bool:
         """Whether a call of ``op`` with ``args`` (argument name -> value; a graph node where the graph computes
@@ -67,7 +101,10 @@ class OpVocabulary:
     of other formats (a match ending in one is refused with a reason, not
     silently skipped); ``refused_quants`` are ``(op, reason)``: NVFP4 quant ops
     writing a layout the fused call does not write (e.g. 8x4 scales), refused
-    with their reason.
+    with their reason. ``fp8_static_quant`` / ``fp8_static_gemms``: the same for
+    static per-tensor FP8 (``static_scaled_fp8_quant``'s schema); None / empty:
+    the vocabulary does not fuse that format. :meth:`quant_form` and
+    :meth:`gemm_forms` give a format's ops by the format's name.
     """
 
     name: str
@@ -79,6 +116,28 @@ class OpVocabulary:
     refused_quants: tuple[tuple[OpOverload, str], ...] = field(default=())
     fused_attention: OpOverload | None = None
     fused_mla_attention: OpOverload | None = None
+    fp8_static_quant: OpOverload | None = None
+    fp8_static_gemms: tuple[GemmForm, ...] = field(default=())
+
+    def quant_form(self, fmt: str) -> QuantForm | None:
+        """The quant op of format ``fmt`` in this vocabulary, as a :class:`QuantForm` (None: not bound here)."""
+        if fmt == "nvfp4":
+            return QuantForm("nvfp4", self.nvfp4_quant, "input", ("output", "output_scale"), "input_scale",
+                             "output_scale", (("is_sf_swizzled_layout", (True,), "quant_scales_not_swizzled"),))
+        if fmt == "fp8_static" and self.fp8_static_quant is not None:
+            return QuantForm("fp8_static", self.fp8_static_quant, "input", ("result",), "scale", "scale",
+                             (("group_shape", (None, (-1, -1)), "fp8_static_quant_is_grouped"),))
+        return None
+
+    def gemm_forms(self, fmt: str) -> tuple[GemmForm, ...]:
+        """The GEMM forms of format ``fmt`` a match must end in."""
+        return {"nvfp4": self.nvfp4_gemms, "fp8_static": self.fp8_static_gemms}.get(fmt, ())
+
+    def foreign_quants(self, fmt: str) -> tuple[OpOverload, ...]:
+        """The quant ops a match of format ``fmt`` refuses as another format's (``quant_is_another_format``):
+        ``other_quants`` and the quant ops of the other formats this vocabulary binds."""
+        bound = (self.quant_form(f) for f in ("nvfp4", "fp8_static") if f != fmt)
+        return self.other_quants + tuple(form.op for form in bound if form is not None and form.op is not None)
 
     @property
     def nvfp4_gemm(self) -> OpOverload | None:
@@ -86,8 +145,9 @@ class OpVocabulary:
         (kept for readers of the one-op vocabulary; a match accepts any form of ``nvfp4_gemms``)."""
         return self.nvfp4_gemms[0].op if self.nvfp4_gemms else None
 
-    def writing_nvfp4(self, role: str) -> OpOverload:
-        """The op a replacement calls to have ``role``'s attention write NVFP4: ``fused_<role>``
+    def writing_quantized(self, role: str) -> OpOverload:
+        """The op a replacement calls to have ``role``'s attention write its quantized output (every format: the
+        op tells the format from the buffers it is given): ``fused_<role>``
         when the vocabulary has one (vLLM: an op of this project that applies the run-time guard
         and otherwise calls vLLM's op), else the attention op itself with ``output_scale``."""
         return getattr(self, f"fused_{role}") or getattr(self, role)
@@ -99,7 +159,8 @@ class OpVocabulary:
 
 
 def fusion_pass_vocabulary() -> OpVocabulary:
-    """The project's own ``torch.ops.fusion_pass`` library: its one GEMM form is ``fusion_pass::nvfp4_gemm``."""
+    """The project's own ``torch.ops.fusion_pass`` library: its NVFP4 GEMM form is ``fusion_pass::nvfp4_gemm``, its
+    static FP8 quant ``fusion_pass::static_scaled_fp8_quant`` (vLLM's schema) and its FP8 GEMM ``aten::_scaled_mm``."""
     import fusion_pass.ops  # noqa: F401  (registers the ops)
 
     ops = torch.ops.fusion_pass
@@ -110,5 +171,9 @@ def fusion_pass_vocabulary() -> OpVocabulary:
         nvfp4_quant=ops.scaled_fp4_quant.out,
         nvfp4_gemms=(GemmForm("fusion_pass::nvfp4_gemm", ops.nvfp4_gemm.default, "a", "block_scale_a",
                               emitted_by=("fusion_pass.demo.layers.NVFP4Linear",)),),
-        other_quants=(ops.static_scaled_fp8_quant.default, ops.per_token_group_fp8_quant.default),
+        other_quants=(ops.per_token_group_fp8_quant.default,),
+        fp8_static_quant=ops.static_scaled_fp8_quant.default,
+        fp8_static_gemms=(GemmForm("aten::_scaled_mm", torch.ops.aten._scaled_mm.default, "self", "scale_a",
+                                   emitted_by=("torch._scaled_mm (vLLM's per-tensor FP8 fallback linear)",),
+                                   format="fp8_static"),),
     )

@@ -45,8 +45,8 @@ def test_vllm_vocabulary_names_vllm_ops_and_our_run_time_ops():
     vocab = vllm_vocabulary()
     assert vocab.attention is torch.ops.vllm.unified_attention_with_output.default
     assert vocab.mla_attention is torch.ops.vllm.unified_mla_attention_with_output.default
-    assert vocab.writing_nvfp4("attention") is torch.ops.fusion_pass.vllm_attention_nvfp4.default
-    assert vocab.writing_nvfp4("mla_attention") is torch.ops.fusion_pass.vllm_mla_attention_nvfp4.default
+    assert vocab.writing_quantized("attention") is torch.ops.fusion_pass.vllm_attention_nvfp4.default
+    assert vocab.writing_quantized("mla_attention") is torch.ops.fusion_pass.vllm_mla_attention_nvfp4.default
     if not hasattr(torch.ops._C, "scaled_fp4_quant"):  # vLLM's CPU build
         assert vocab.nvfp4_quant is torch.ops.fusion_pass.scaled_fp4_quant.out
         assert vocab.nvfp4_gemm is torch.ops.fusion_pass.nvfp4_gemm.default

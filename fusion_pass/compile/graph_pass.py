@@ -91,6 +91,12 @@ def _resolve_vocabularies(vocabularies) -> tuple[OpVocabulary, ...]:
     return vocabularies
 
 
+def _other_format(reason: str) -> bool:
+    """Whether a refusal only says the attention output is not this entry's format (it feeds another format's
+    quant op, or no quant op of this format)."""
+    return reason == "quant_is_another_format" or (reason.startswith("no_") and reason.endswith("_quant_consumer"))
+
+
 class FusionPass(CustomGraphPass):
     """Rewrites attention -> scaled_fp4_quant -> NVFP4 GEMM into one NVFP4-output attention call.
 
@@ -122,8 +128,9 @@ class FusionPass(CustomGraphPass):
                     matcher.traced_replacement(pattern, vocab, form)
 
     def _patterns_for(self, vocab: OpVocabulary):
+        """The enabled entries whose attention role and output format ``vocab`` binds."""
         roles = vocab.attention_ops().values()
-        return [p for p in self.patterns if p.role in roles]
+        return [p for p in self.patterns if p.role in roles and vocab.quant_form(p.format) is not None]
 
     # -- CustomGraphPass -------------------------------------------------------------------
 
@@ -166,7 +173,9 @@ class FusionPass(CustomGraphPass):
 
     def _run(self, graph: torch.fx.Graph, vocab: OpVocabulary, report: GraphReport) -> None:
         """Each attention candidate: the enabled entries that apply to it (the table's order) are examined;
-        the first match is applied, else the first entry's refusal is reported."""
+        the first match is applied, else the first entry's refusal is reported, preferring one that is about
+        the entry's own format (the output reached its quant op) to one saying the output feeds another
+        format's quant (:func:`_other_format`)."""
         entries = self._patterns_for(vocab)
         attention_ops = vocab.attention_ops()
         candidates = [n for n in graph.nodes if matcher.wrapped_op(n)[0] in attention_ops]
@@ -180,7 +189,8 @@ class FusionPass(CustomGraphPass):
                 if isinstance(found, matcher.Match):
                     match = found
                     break
-                refusal = refusal or (found, entry.name)
+                if refusal is None or (_other_format(refusal[0]) and not _other_format(found)):
+                    refusal = (found, entry.name)
             left = (self.leave_quantized(layer) if match is not None and match.outcome == "retargeted"
                     and self.leave_quantized is not None else None)
             if left:

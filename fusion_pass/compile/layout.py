@@ -138,6 +138,12 @@ def nvfp4_rows_of_width(packed, scales, width: int) -> bool:
                                                                          scale_bytes))
 
 
+def fp8_rows_of_width(result, width: int) -> bool:
+    """Whether a float8_e4m3fn ``result`` holds rows of ``width`` elements (``[M, width]``)."""
+    return (isinstance(result, torch.Tensor) and result.dim() == 2 and result.dtype == torch.float8_e4m3fn
+            and known_equal(result.shape[1], width))
+
+
 def reads_token_rows(t, tokens, width: int) -> bool:
     """Whether a quant reading ``t`` (as ``[-1, K]``) quantizes ``tokens`` rows of ``width`` elements."""
     if not isinstance(t, torch.Tensor) or t.dim() < 1:

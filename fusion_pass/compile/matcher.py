@@ -43,7 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.functional_tensor import dispatch_functionalize
 
 from fusion_pass.compile import layout
-from fusion_pass.patterns import AttentionQuantPattern, OpVocabulary
+from fusion_pass.patterns import AttentionQuantPattern, OpVocabulary, QuantForm
 
 aten = torch.ops.aten
 HOPS = {
@@ -229,32 +229,36 @@ def attention_shape(attention: Node, width: int) -> AttentionShape | None:
     return AttentionShape(num_heads=heads, v_head_dim=width // heads)
 
 
-def _quant_buffers_reason(quant: Node, width: int) -> str | None:
+def _quant_buffers_reason(quant: Node, form: QuantForm, width: int) -> str | None:
     """The fused op writes the quant's buffers whole, row-major and ``width`` elements wide: they must be that
-    (vLLM's ``padded_n`` widens them for a weight whose K it padded)."""
-    if is_view_of_base(quant, "output") or is_view_of_base(quant, "output_scale"):
+    (vLLM's ``padded_n`` widens NVFP4 buffers for a weight whose K it padded)."""
+    if any(is_view_of_base(quant, arg) for arg in form.buffers):
         return "quant_buffers_are_views"
-    packed, scales = (layout.value(buffer_arg(quant, arg)) for arg in ("output", "output_scale"))
-    if not (layout.tensor_is_row_major(packed) and layout.tensor_is_row_major(scales)):
+    buffers = [layout.value(buffer_arg(quant, arg)) for arg in form.buffers]
+    if not all(layout.tensor_is_row_major(b) for b in buffers):
         return "quant_buffers_not_contiguous"
-    return None if layout.nvfp4_rows_of_width(packed, scales, width) else "quant_buffers_padded"
+    fits = layout.nvfp4_rows_of_width if form.format == "nvfp4" else layout.fp8_rows_of_width
+    return None if fits(*buffers, width) else "quant_buffers_padded"
 
 
-def _gemm_reason(quant: Node, vocab: OpVocabulary) -> str | None:
-    """None when the quant's packed codes and block scales reach a call of a form of ``vocab.nvfp4_gemms`` as its
-    activation and block scale (:func:`layout.byte_readers`: the same bytes; the codes may be zero-padded per
-    row) and no such call is refused by its form; else the reason."""
-    packed, scales = mutated_result(quant, "output"), mutated_result(quant, "output_scale")
-    scale_reads = set(layout.byte_readers(scales)) if scales is not None else set()
+def _gemm_reason(quant: Node, form: QuantForm, vocab: OpVocabulary) -> str | None:
+    """None when the quant's codes and its scale (:attr:`QuantForm.gemm_scale`: NVFP4's block scales, FP8's static
+    scale) reach a call of a GEMM form of the format (:meth:`OpVocabulary.gemm_forms`) as its activation and
+    scale (:func:`layout.byte_readers`: the same bytes; NVFP4 codes may be zero-padded per row) and no such call
+    is refused by its form; else the reason."""
+    codes = mutated_result(quant, form.buffers[0])
+    scale = (mutated_result(quant, form.gemm_scale) if form.gemm_scale in form.buffers
+             else quant.kwargs.get(form.gemm_scale))
+    scale_reads = set(layout.byte_readers(scale)) if isinstance(scale, Node) else set()
     verdicts = []
-    for reader, via in layout.byte_readers(packed, zero_padding=True) if packed is not None else ():
+    for reader, via in layout.byte_readers(codes, zero_padding=form.format == "nvfp4") if codes is not None else ():
         op = wrapped_op(reader)[0] or reader.target
         args = layout.call_arguments(reader, op)
-        verdicts += [form.refusal(args) for form in vocab.nvfp4_gemms
-                     if op is form.op and args.get(form.activation) is via and form.takes(args)
-                     and (reader, args.get(form.block_scale)) in scale_reads]
+        verdicts += [gemm.refusal(args) for gemm in vocab.gemm_forms(form.format)
+                     if op is gemm.op and args.get(gemm.activation) is via and gemm.takes(args)
+                     and (reader, args.get(gemm.block_scale)) in scale_reads]
     if not verdicts:
-        return "no_nvfp4_gemm_consumer"
+        return f"no_{form.format}_gemm_consumer"
     return next((v for v in verdicts if v), None)
 
 
@@ -299,10 +303,11 @@ def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary
     following = anchors(pattern, vocab)[1:]
     if not following:
         return _examine_quantized(attention, pattern, vocab)
-    return _examine_chain(attention, pattern, vocab, following[0].op)
+    return _examine_chain(attention, pattern, vocab, vocab.quant_form(pattern.format))
 
 
-def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary, quant_op) -> Match | str:
+def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary,
+                   form: QuantForm) -> Match | str:
     """attention -> views -> quant (``quant_op``) -> GEMM, proven, not assumed: the quant reads the attention
     output's elements in row-major ``[T, H*Dv]`` order (``T`` the query's symbolic token count) through views
     that keep that order (:mod:`fusion_pass.compile.layout`), the attention writes its output whole and row-major,
@@ -311,18 +316,20 @@ def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVoc
     result = mutated_result(attention, "output")
     if result is None:
         return "attention_output_unused"
+    quant_op, no_quant = form.op, f"no_{form.format}_quant_consumer"
     chain, node, broken = [], result, None
     while True:
         users = list(node.users)
         if len(users) != 1:
             if _reaches(node, {quant_op}):
                 return "bf16_output_has_other_users"
-            return "no_nvfp4_quant_consumer" if users else "attention_output_unused"
+            return no_quant if users else "attention_output_unused"
         (user,) = users
         op = wrapped_op(user)[0]
         if op is quant_op:
             break
-        other = {**dict.fromkeys(vocab.other_quants, "quant_is_another_format"), **dict(vocab.refused_quants)}
+        other = {**dict.fromkeys(vocab.foreign_quants(form.format), "quant_is_another_format"),
+                 **dict(vocab.refused_quants)}
         if (op or user.target) in other:  # another format, or NVFP4 in a layout the fused op does not write
             return other[op or user.target]
         if user.target in layout.VIEW_CHAIN_OPS and user.args and user.args[0] is node:
@@ -330,9 +337,9 @@ def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVoc
             chain.append(user)
             node = user
             continue
-        return "no_nvfp4_quant_consumer"
+        return no_quant
     quant = user
-    if quant.kwargs.get("input") is not node:
+    if quant.kwargs.get(form.input) is not node:
         return "bf16_output_is_not_the_quant_input"
     if broken:
         return broken
@@ -345,10 +352,8 @@ def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVoc
         return width
     if not layout.reads_token_rows(layout.value(node), tokens, width):
         return "quant_rows_are_not_tokens"
-    if quant.kwargs.get("is_sf_swizzled_layout") is not True:
-        return "quant_scales_not_swizzled"
-    return _quant_buffers_reason(quant, width) or _gemm_reason(quant, vocab) or _match(pattern, attention, width,
-                                                                                       quant, chain)
+    return (form.refusal(layout.call_arguments(quant, quant_op)) or _quant_buffers_reason(quant, form, width)
+            or _gemm_reason(quant, form, vocab) or _match(pattern, attention, width, quant, chain))
 
 
 def _match(pattern: AttentionQuantPattern, attention: Node, width: int, quant=None, chain=()) -> Match | str:
@@ -367,7 +372,7 @@ def _examine_quantized(attention: Node, pattern: AttentionQuantPattern, vocab: O
     """An attention call another pass already gave the quant's buffers (``output`` packed uint8, ``output_scale``
     the global scale, ``output_block_scale`` the swizzled scales), retargetable to the vocabulary's fused op."""
     op = wrapped_op(attention)[0]
-    target = vocab.writing_nvfp4(pattern.role)
+    target = vocab.writing_quantized(pattern.role)
     if target is op:
         return "attention_already_quantized"  # it already is this vocabulary's NVFP4-writing call
     if _schema_signature(target) != _schema_signature(op):
@@ -421,7 +426,7 @@ _PROVENANCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
 def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
-    """Apply ``match``; returns the attention node that now writes NVFP4.
+    """Apply ``match``; returns the attention node that now writes the quantized output.
 
     attention -> quant: replaced by the attention op writing the quant's buffers
     (the pattern's traced replacement); the quant's consumers (the GEMM) read the
@@ -431,38 +436,38 @@ def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
     """
     attention, quant = match.attention, match.quant
     if quant is None:
-        attention.args = (vocab.writing_nvfp4(match.pattern.role), *attention.args[1:])
+        attention.args = (vocab.writing_quantized(match.pattern.role), *attention.args[1:])
         return attention
+    form = vocab.quant_form(match.pattern.format)
     template = traced_replacement(match.pattern, vocab, match.form)
     n_inputs = len(match.pattern.inputs)
     inputs = [attention.kwargs[name] for name in input_names(attention, n_inputs)]
     placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
-    values = inputs + [buffer_arg(attention, "output"), buffer_arg(quant, "output"),
-                       buffer_arg(quant, "output_scale"), quant.kwargs["input_scale"]]
+    values = inputs + [buffer_arg(attention, "output"), *(buffer_arg(quant, b) for b in form.buffers),
+                       quant.kwargs[form.scale_input]]
     env = dict(zip(placeholders, values))
-    assert len(placeholders) == n_inputs + 4, "replacement signature: inputs, output, quant_out, quant_scale, gs"
+    assert len(placeholders) == len(values), "replacement signature: inputs, output, the quant's buffers, its scale"
 
-    old_out, old_scale = mutated_result(quant, "output"), mutated_result(quant, "output_scale")
+    old_results = [mutated_result(quant, b) for b in form.buffers]
     with graph.inserting_before(quant):
-        new_out, new_scale = graph.graph_copy(template.graph, env)
-    new_attention = new_out.args[0]
+        new_results = tuple(graph.graph_copy(template.graph, env))
+    new_attention = new_results[0].args[0]
     for template_node, node in env.items():  # drop the template's metadata (its own fake mode and shapes)
         if template_node.op != "placeholder":
             node.meta.clear()
-            if node.target is operator.getitem and not node.users and node not in (new_out, new_scale):
+            if node.target is operator.getitem and not node.users and node not in new_results:
                 graph.erase_node(node)
     for name in _passthrough_args(attention, n_inputs):  # layer_name and whatever else the op takes
         new_attention.update_kwarg(name, attention.kwargs[name])
-    for node in (new_attention, new_out, new_scale):  # keep where it came from, for dumps and errors
+    for node in (new_attention, *new_results):  # keep where it came from, for dumps and errors
         node.meta.update({k: v for k, v in attention.meta.items() if k in _PROVENANCE_META})
-    out_val = old_out.meta.get("val") if old_out is not None else None
-    scale_val = old_scale.meta.get("val") if old_scale is not None else None
-    new_out.meta["val"], new_scale.meta["val"] = out_val, scale_val
-    new_attention.meta["val"] = (None, out_val, scale_val)
-    if old_out is not None:
-        old_out.replace_all_uses_with(new_out)
-    if old_scale is not None:
-        old_scale.replace_all_uses_with(new_scale)
+    vals = [old.meta.get("val") if old is not None else None for old in old_results]
+    for new, val in zip(new_results, vals):
+        new.meta["val"] = val
+    new_attention.meta["val"] = (None, *vals)
+    for old, new in zip(old_results, new_results):
+        if old is not None:
+            old.replace_all_uses_with(new)
     _erase_dead(graph, [quant, *reversed(match.chain), attention])
     return new_attention
 
