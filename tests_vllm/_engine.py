@@ -82,9 +82,11 @@ def batch_of_current_call(layer_name) -> dict:
 def shadow_unfused(shadows: list) -> None:
     """After each fused call, the exact fallback (vLLM's op + the unfused graph's quant op) of the same call on
     the same inputs into copies of the buffers: ``shadows`` gets ``(fused packed, fused scales, unfused packed,
-    unfused scales)`` per fused call (every layer; across two runs only the first layer's inputs are equal)."""
+    unfused scales)`` per fused call (every layer; across two runs only the first layer's inputs are equal; the scales
+are None for a static FP8 call, whose only buffer is its codes)."""
     import torch
 
+    from fusion_pass import formats
     from fusion_pass.vllm.runtime import attention_op, fused_rows, guard
 
     run_fused = fused_rows.run_fused  # attention_op._run calls fused_rows.run_fused
@@ -92,13 +94,15 @@ def shadow_unfused(shadows: list) -> None:
     def run_fused_and_unfused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
                               extra=None):
         run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
-        packed, scales = output.clone(), output_block_scale.clone()
+        packed = output.clone()
+        scales = output_block_scale.clone() if output_block_scale is not None else None  # None: static FP8
         if guard.is_mla(layer):
             op, heads = torch.ops.vllm.unified_mla_attention_with_output, None
         else:
             op, heads = torch.ops.vllm.unified_attention_with_output, inputs[0].shape[1]
-        attention_op._run_unfused(op, inputs, packed, layer.layer_name, output_scale, scales, (), heads)
-        shadows.append((output.clone(), output_block_scale.clone(), packed, scales))
+        attention_op._run_unfused(op, inputs, packed, layer.layer_name, output_scale, scales, (), heads, None,
+                                  formats.by_name(decision.format))
+        shadows.append((output.clone(), None if scales is None else output_block_scale.clone(), packed, scales))
 
     fused_rows.run_fused = run_fused_and_unfused
 
@@ -131,6 +135,7 @@ def main(spec_path: str, out_path: str) -> None:
         calls.append({"path": decision.path, "reason": decision.reason, "prefill_tokens": decision.prefill_tokens,
                       "fused_tokens": decision.fused_tokens, "post_quantized": dict(decision.post_quantized),
                       "one_call": decision.one_call, "decode_fused": decision.decode_fused,
+                      "format": decision.format,
                       **batch_of_current_call(layer_name)})
         record(decision, layer_name)
 

@@ -10,7 +10,7 @@ runs on and the wheels are checked against each other.
 Expected argument lists are what the project's code relies on, never copied from a wheel: the fused ops'
 signatures (``fusion_pass/vllm/runtime/attention_op.py``), the quant op's schema the project mirrors
 (``fusion_pass/ops/library.py``), the GEMM forms' argument names (``VLLM_GEMM_FORMS``,
-``fusion_pass/vllm/compile/vocabulary.py``). ``test_project.py`` checks that this data still says what those
+``VLLM_FP8_STATIC_GEMM_FORMS``, ``fusion_pass/vllm/compile/vocabulary.py``). ``test_project.py`` checks that this data still says what those
 project files say.
 """
 
@@ -34,6 +34,7 @@ COMMON_METADATA = "vllm.v1.attention.backend.CommonAttentionMetadata"
 COMPILATION_CONFIG = "vllm.config.CompilationConfig"
 FORWARD_CONTEXT = "vllm.forward_context.ForwardContext"
 NVFP4_KERNELS = "vllm.model_executor.kernels.linear.nvfp4"
+SCALED_MM_KERNELS = "vllm.model_executor.kernels.linear.scaled_mm"
 
 STANDARD_OP_ARGS = ("Tensor query, Tensor key, Tensor value, Tensor(a!) output, LayerNameType layer_name, "
                     "Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, Tensor? kv_cache_dummy_dep=None")
@@ -320,6 +321,19 @@ ENTRIES = (
           keywords=(("use_mx", False),)),  # fbgemm::f4f4bf16 is fbgemm_gpu's: its schema is not in the wheel
     Class(f"{NVFP4_KERNELS}.b12x.B12xNvFp4LinearKernel"),  # b12x::blockscaled_nvfp4 is the b12x package's
     Calls(f"{NVFP4_KERNELS}.pytorch.TorchNvFp4LinearKernel", callee="torch._scaled_mm"),
+
+    # fusion_pass/vllm/compile/vocabulary.py: the static FP8 GEMM forms (VLLM_FP8_STATIC_GEMM_FORMS) and
+    # torch._scaled_mm (the project's form); the quant, _C::static_scaled_fp8_quant, with its schema above
+    OpSchema("_C::cutlass_scaled_mm", has=("a", "a_scales")),
+    OpSchema("vllm::bmm_fp8", has=("A", "A_scale")),
+    Calls(f"{SCALED_MM_KERNELS}.cutlass.CutlassFP8ScaledMMLinearKernel", callee="ops.cutlass_scaled_mm"),
+    # vLLM's wrapper passes the activation and its scale as the op's a / a_scales
+    Statements("vllm._custom_ops.cutlass_scaled_mm",
+               statements=("torch.ops._C.cutlass_scaled_mm(out, a, b, scale_a, scale_b, bias)",)),
+    Calls(f"{SCALED_MM_KERNELS}.flashinfer.FlashInferFP8ScaledMMLinearKernel", callee="flashinfer_scaled_fp8_mm"),
+    Function("vllm.utils.flashinfer.flashinfer_scaled_fp8_mm", params=("a", "b", "scale_a", "scale_b")),
+    Statements("vllm.utils.flashinfer.flashinfer_scaled_fp8_mm", statements=("a.unsqueeze(0)",)),  # A: a view
+    Calls(f"{SCALED_MM_KERNELS}.pytorch.PerTensorTorchFP8ScaledMMLinearKernel", callee="torch._scaled_mm"),
 
     # tests_vllm/ (the engine suite, run on vLLM's CPU build): what it imports and calls
     Function("vllm.config.set_current_vllm_config"),

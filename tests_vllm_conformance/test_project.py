@@ -95,6 +95,19 @@ def test_gemm_forms_are_the_projects():
         assert f"{namespace}::{op}" in schemas
 
 
+def test_fp8_static_gemm_forms_are_the_projects():
+    """Every form of ``VLLM_FP8_STATIC_GEMM_FORMS``: its kernel class is checked (it calls the form's op, or vLLM's
+    wrapper of it), its op has the activation and scale arguments the form names."""
+    forms = project.constant(VOCABULARY, "VLLM_FP8_STATIC_GEMM_FORMS")
+    schemas, calls = _by_name(OpSchema), _by_name(Calls)
+    assert forms
+    for name, (namespace, op, overload, activation, scale), kernel in forms:
+        kernel = f"{names.SCALED_MM_KERNELS}.{kernel}"
+        assert kernel in calls, f"form {name}: kernel {kernel} is not in the manifest"
+        qualified = f"{namespace}::{op}" + ("" if overload == "default" else f".{overload}")
+        assert qualified in schemas and {activation, scale} <= set(schemas[qualified].has), (name, qualified)
+
+
 def test_adapters_are_the_projects():
     """Every adapter class (``NAME``, ``BUILDER``) of ``fusion_pass/vllm/adapters/``: its builder's ``build`` and its
     backend's name are checked."""

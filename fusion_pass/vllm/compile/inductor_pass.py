@@ -34,9 +34,10 @@ from fusion_pass.vllm.compile import layer_check, report_file, vocabulary
 logger = logging.getLogger("vllm.fusion_pass")
 
 VLLM_COMPILE_TIME = ("fusion_pass.vllm.compile", "fusion_pass.vllm.releases", "fusion_pass.vllm.adapters",
-                     "fusion_pass.vllm.runtime.attention_op")
+                     "fusion_pass.vllm.runtime.attention_op", "fusion_pass.vllm.runtime.fp8_static_rows")
 """What the rewrite of a vLLM graph depends on beyond every pass's code: the vocabulary and the pass, the layer check
-and what it reads of a layer (the adapters), the release table, the schemas of the ops the rewrite calls."""
+and what it reads of a layer (the adapters), the release table, the schemas of the ops the rewrite calls, the static FP8
+quant op the vocabulary binds (:mod:`fusion_pass.vllm.runtime.fp8_static_rows`)."""
 
 SUPPORTED_VLLM_VERSIONS = tuple(f"{r.line}." for r in releases.RELEASES)
 """Prefixes of the supported vLLM releases (:data:`fusion_pass.vllm.releases.RELEASES`)."""

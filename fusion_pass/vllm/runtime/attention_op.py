@@ -1,10 +1,18 @@
 """The ops the rewritten vLLM graph calls: ``fusion_pass::vllm_attention_nvfp4`` and
-``fusion_pass::vllm_mla_attention_nvfp4``.
+``fusion_pass::vllm_mla_attention_nvfp4`` (named for their first format; they write every format the pass fuses).
 
 Their schemas mirror vLLM's ``unified_attention_with_output`` / ``unified_mla_attention_with_output``
 (every argument, ``kv_cache_dummy_dep`` and ``layer_name`` of vLLM's ``LayerNameType`` included), so the
-pass only retargets the call. ``output`` is the quant's packed uint8 ``[T, H*Dv/2]`` buffer,
-``output_scale`` the global scale, ``output_block_scale`` the quant's int32 swizzled scale buffer.
+pass only retargets the call. The buffers say the format (:func:`fusion_pass.formats.call_format`, read once per
+call), as for vLLM's own quantized attention calls:
+
+* NVFP4: ``output`` the quant's packed uint8 ``[T, H*Dv/2]`` buffer, ``output_scale`` the global scale
+  (float32 ``[1]``), ``output_block_scale`` the quant's int32 swizzled scale buffer;
+* static per-tensor FP8: ``output`` the quant's float8_e4m3fn ``[T, H*Dv]`` buffer (``result``), ``output_scale``
+  its static scale (float32 ``[1]``), no ``output_block_scale`` (checked: :func:`fusion_pass.vllm.runtime
+  .fp8_static_rows.check_call`).
+
+A call without ``output_scale`` (the query-dtype form) is refused with ``ValueError``: the pass never emits one.
 
 Per call, the op reads the layer, its attention metadata and its KV cache from vLLM's forward context, and the
 guard (:mod:`fusion_pass.vllm.runtime.guard`) decides row by row with the shared core,
@@ -23,7 +31,10 @@ Fused (path ``"fused"``): every prefill row is written by the fused backend
 rows beside them are computed by vLLM (MLA: its ``forward_impl`` on rows ``[0, D)``; standard layers: the
 backend's adapter on the decode requests alone, :mod:`fusion_pass.vllm.adapters`) and quantized by the unfused
 graph's quant op into their rows (counted under ``decode_tokens`` in ``post_quantized``): byte-equal to the
-unfused graph.
+unfused graph. Static FP8 takes the same paths through the backend's ``run_varlen_fp8_static``, except the one
+fused launch over a standard layer's paged cache, which writes NVFP4 only (the guard refuses it for FP8 with its
+reason; a mixed call is then split, or falls back as ``mixed_not_split``). Counted with the decision's format
+(:mod:`fusion_pass.runtime.counters`: ``"reference (fp8_static)"``...).
 
 Rows past ``num_actual_tokens`` (vLLM's padding) are zeroed. The new tokens reach the KV cache through
 vLLM's own cache-update op, which the graph keeps (``kv_cache_dummy_dep``). The fused path runs inside
@@ -31,8 +42,9 @@ vLLM's KV-connector hooks (``maybe_transfer_kv_layer``: a connector's layer load
 cached context is read, the layer saved after), as vLLM's attention ops run.
 
 The exact fallback calls vLLM's own attention op into a temporary buffer of the query dtype, then the
-same quant op the unfused graph calls (``_C::scaled_fp4_quant.out`` where vLLM has it, else
-``fusion_pass::scaled_fp4_quant.out``): the bytes equal vLLM's unfused graph.
+same quant op the unfused graph calls (NVFP4: ``_C::scaled_fp4_quant.out`` where vLLM has it, else
+``fusion_pass::scaled_fp4_quant.out``; static FP8: ``_C::static_scaled_fp8_quant`` where vLLM has it, else
+``fusion_pass::static_scaled_fp8_quant``): the bytes equal vLLM's unfused graph.
 """
 
 
@@ -41,9 +53,11 @@ import logging
 
 import torch
 
+from fusion_pass.formats import FP8_STATIC, NVFP4, call_format
 from fusion_pass.runtime import counters, settings
 from fusion_pass.vllm import notices, releases
-from fusion_pass.vllm.runtime import fused_rows
+from fusion_pass.vllm.runtime import fp8_static_rows, fused_rows
+from fusion_pass.vllm.runtime.call_buffers import unfused_width
 from fusion_pass.vllm.adapters.registry import install_host_hooks
 from fusion_pass.vllm.runtime.guard import decide, decide_rows, decode_only_decision, layer_name_of
 
@@ -102,16 +116,18 @@ _STEP = "_fusion_pass_step"  # the _Step kept on a metadata object
 
 class _Step:
     """What the calls of one step share, kept on vLLM's metadata object (one per step and KV-cache group, shared
-    by the layers of the group): ``decision``, the decision of every call of a decode-only step (None: decided
-    per call), and ``buffer``, the fallback's temporary (:func:`_run_unfused`). ``md_id``: the object it was made for
-    (a shallow copy of the metadata carries the attribute, not the identity)."""
+    by the layers of the group): ``decision``, the decision of every NVFP4 call of a decode-only step (None: decided
+    per call), ``decisions``, the same for the other formats by name (filled at their first call), and ``buffer``,
+    the fallback's temporary (:func:`_run_unfused`). ``md_id``: the object it was made for (a shallow copy of the
+    metadata carries the attribute, not the identity)."""
 
-    __slots__ = ("md_id", "decision", "buffer")
+    __slots__ = ("md_id", "decision", "decisions", "buffer")
 
     def __init__(self, md, name):
         settings.check_environment()  # at the first call of each step (and at every call without metadata)
         self.md_id = id(md)
         self.buffer = None
+        self.decisions = None
         self.decision = decision = decode_only_decision(md)
         if decision is not None:
             _log_path(name, decision)
@@ -120,31 +136,62 @@ class _Step:
         except AttributeError:  # slotted or frozen metadata: a step per call
             pass
 
+    def decision_for(self, md, name, output_format):
+        """:attr:`decision` for a call writing ``output_format`` (another format's decode-only decision, made at its
+        first call of the step)."""
+        if output_format is NVFP4:
+            return self.decision
+        if self.decisions is None:
+            self.decisions = {}
+        key = output_format.name
+        if key not in self.decisions:
+            decision = self.decisions[key] = decode_only_decision(md, output_format)
+            if decision is not None:
+                _log_path(name, decision)
+        return self.decisions[key]
+
+
+def _format(output, output_scale, output_block_scale):
+    """The call's output format (:func:`fusion_pass.formats.call_format`), its buffers checked where the format
+    needs it (static FP8: :func:`fusion_pass.vllm.runtime.fp8_static_rows.check_call`); ``ValueError`` naming the
+    argument for a call the fused op does not write."""
+    fmt = call_format(output, output_scale, output_block_scale)
+    if fmt is NVFP4:
+        return fmt
+    if fmt is None:
+        raise ValueError("fusion_pass vLLM attention op: output_scale is None: the fused op writes a quantized output "
+                         "(NVFP4 or static FP8), never the query dtype")
+    fp8_static_rows.check_call("fusion_pass vLLM attention op", output, output_scale, output_block_scale)
+    return FP8_STATIC
+
 
 def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, extra=None) -> None:
-    """One call. Per call, beyond vLLM's op and the quant op (the exact fallback) or the fused rows: the forward
-    context's entry for the layer, the step kept on its metadata (a decode-only step's decision, taken once per
-    step; otherwise the guard, whose decision is kept per step for layers that read alike), the count.
-    ``rest``: the arguments of vLLM's op after ``output_block_scale``, in its schema's order; ``extra``: those of them
-    the fused MLA rows pass on to vLLM's ``forward_impl`` for the decode rows (by name)."""
+    """One call. Per call, beyond vLLM's op and the quant op (the exact fallback) or the fused rows: the output
+    format read from the buffers (:func:`_format`), the forward context's entry for the layer, the step kept on its
+    metadata (a decode-only step's decision, taken once per step and format; otherwise the guard, whose decision is
+    kept per step for layers that read alike), the count. ``rest``: the arguments of vLLM's op after
+    ``output_block_scale``, in its schema's order; ``extra``: those of them the fused MLA rows pass on to vLLM's
+    ``forward_impl`` for the decode rows (by name)."""
+    fmt = _format(output, output_scale, output_block_scale)
     name = layer_name if type(layer_name) is str else layer_name_of(layer_name)
     md, layer, kv_cache = _context(name)
     if md is None:  # vLLM's profile and dummy runs
         settings.check_environment()
         step = None
-        decision = decide(name, inputs[0], md, layer, kv_cache)
+        decision = decide(name, inputs[0], md, layer, kv_cache, fmt)
         _log_path(name, decision)
     else:
         step = getattr(md, _STEP, None)
         if step is None or step.md_id != id(md):
             step = _Step(md, name)
-        decision = step.decision
+        decision = step.decision if fmt is NVFP4 else step.decision_for(md, name, fmt)
         if decision is not None:  # a decode-only step: the exact fallback, decided once for the step
-            _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step)
+            _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step,
+                         fmt)
             counters.record(decision, name)
             return
-        decision = decide_rows(name, inputs[0], md, layer, kv_cache)
-        if (decision.reason or decision.backend) not in _logged:
+        decision = decide_rows(name, inputs[0], md, layer, kv_cache, fmt)
+        if (decision.reason or decision.backend, decision.format) not in _logged:
             _log_path(name, decision)
     if decision.fused:  # the exact fallback calls vLLM's op, which runs the KV-connector hooks itself
         if _kv_transfer_utils().has_kv_transfer_group():
@@ -154,7 +201,7 @@ def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, 
             fused_rows.run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
                                  extra)
     else:
-        _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step)
+        _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step, fmt)
     counters.record(decision, name)
 
 
@@ -164,23 +211,26 @@ _logged: set = set()
 def _log_path(name, decision) -> None:
     """The first call of each path (a backend, or a fallback reason) in this process, at INFO (vLLM shows its own
     loggers)."""
-    key = decision.reason or decision.backend
+    key = (decision.reason or decision.backend, decision.format)
     if key in _logged:
         return
     _logged.add(key)
+    key, quant = key[0], "NVFP4" if decision.format == NVFP4.name else decision.format
     if key.startswith("no_decode_adapter:") or key in ("no_host_metadata", "no_backend"):  # every such call falls back
         notices.notice(key, f"{name}: every call with prefill rows takes the exact fallback ({key}): "
                             f"{decision.detail or 'no detail'}")
         return
     what = f"fused with backend {decision.backend}" if decision.fused else f"fell back ({decision.reason})"
-    logger.info("fusion_pass: %s: attention + NVFP4 quant %s: %s; further calls are only counted",
-                name, what, decision.detail or "no detail")
+    logger.info("fusion_pass: %s: attention + %s quant %s: %s; further calls are only counted",
+                name, quant, what, decision.detail or "no detail")
 
 
 def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest=(), heads=None,
-                 step=None) -> None:
-    """vLLM's attention into a temporary of the query dtype, then the unfused graph's quant op. ``rest``: vLLM's
-    op's arguments after ``output_block_scale`` (a tuple, in its schema's order).
+                 step=None, output_format=NVFP4) -> None:
+    """vLLM's attention into a temporary of the query dtype, then the unfused graph's quant op of ``output_format``
+    (:func:`fusion_pass.vllm.runtime.fused_rows.quant_op` for NVFP4, ``fused_rows.fp8_static_quant_op`` for static
+    FP8: ``static_scaled_fp8_quant(result, input, scale)``). ``rest``: vLLM's op's arguments after
+    ``output_block_scale`` (a tuple, in its schema's order).
 
     The temporary ``[T, H*Dv]`` (and the view vLLM's op writes, ``[T, H, Dv]`` for standard layers) is kept on the
     ``step`` and reused by every layer of the step with the same output shape (their calls run one after the other
@@ -188,18 +238,21 @@ def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block
     is captured (its temporaries stay the capture's), a fresh one."""
     q = inputs[0]
     shape = output.shape
-    key = (shape, heads, q.dtype)
+    key = (shape, heads, q.dtype, output_format.name)
     kept = step.buffer if step is not None else None
     if kept is not None and kept[0] == key and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         tmp, target = kept[1], kept[2]
     else:
         tokens = shape[0]
-        width = output.numel() // tokens * 2
+        width = unfused_width(output_format, output)
         tmp = torch.empty(tokens, width, dtype=q.dtype, device=q.device)
         target = tmp if heads is None else tmp.view(tokens, heads, width // heads)
         if step is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             step.buffer = (key, tmp, target)
     vllm_op(*inputs, target, layer_name, None, None, *rest)
+    if output_format is FP8_STATIC:  # the quant's result is the op's output, its scale the op's output_scale
+        fused_rows.fp8_static_quant_op()(fp8_static_rows.codes(output), tmp, output_scale)
+        return
     # the attention op's output_scale is the global scale (the quant's input_scale); its output_block_scale is
     # the quant's output_scale (the block scales)
     packed = output if len(shape) == 2 else output.view(shape[0], -1)

@@ -4,7 +4,8 @@
 
 MLA (:mod:`fusion_pass.vllm.adapters.mla`): vLLM orders a batch's ``D = num_decode_tokens`` decode rows first, then
 the prefills. The prefill rows
-``[D, num_actual_tokens)`` go through :func:`fusion_pass.runtime.row_plan.run_prefills`, keys and values
+``[D, num_actual_tokens)`` go through :func:`fusion_pass.runtime.row_plan.run_prefills` (NVFP4) or
+:func:`fusion_pass.runtime.fp8_rows.run_prefills_fp8_static` (static FP8), keys and values
 expanded from ``kv_c_normed`` through the layer's ``kv_b_proj`` with ``k_pe`` broadcast to every head, as vLLM's
 MLA prefill does; prefills with cached context also attend to their context, read from the paged latent cache
 (the prefills' block table and context lengths) and expanded the same way. Rows past ``num_actual_tokens``
@@ -13,28 +14,35 @@ MLA prefill does; prefills with cached context also attend to their context, rea
 
 import torch
 
-from fusion_pass.runtime import backends, row_plan
+from fusion_pass import formats
+from fusion_pass.formats import NVFP4
+from fusion_pass.runtime import backends
 from fusion_pass.vllm.adapters import registry
 from fusion_pass.vllm.adapters.host_rows import device_index, mla_rows
 from fusion_pass.vllm.runtime.fused_standard import run_fused_standard
 from fusion_pass.vllm.runtime.guard import is_mla, step_rows
-from fusion_pass.vllm.runtime.nvfp4_rows import nvfp4_rows, quant_op, write_rows, zero_padding
+from fusion_pass.vllm.runtime.call_buffers import call_buffers
+from fusion_pass.vllm.runtime.fp8_static_rows import quant_op as fp8_static_quant_op
+from fusion_pass.vllm.runtime.nvfp4_rows import quant_op
 
-__all__ = ["quant_op", "run_fused"]
+__all__ = ["fp8_static_quant_op", "quant_op", "run_fused"]
 
 
 def run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
               extra: dict | None = None) -> None:
     """The guard's fused ``decision`` (:class:`fusion_pass.runtime.guard.Decision`): its backend on the call's
     prefill rows (on every row for a one-call decision), the other rows as the unfused graph writes them, rows past
-    the batch's zeroed (MLA: :func:`_run_fused_mla`; standard layers: :func:`run_fused_standard`). ``extra``: the
-    MLA op's arguments its decode rows pass on to vLLM's ``forward_impl`` (0.34's ``mqa_q_prepared``)."""
+    the batch's zeroed (MLA: :func:`_run_fused_mla`; standard layers: :func:`run_fused_standard`), in the decision's
+    output format (NVFP4 or static FP8: the buffers, :mod:`fusion_pass.vllm.runtime.call_buffers`). ``extra``: the MLA
+    op's arguments its decode rows pass on to vLLM's ``forward_impl`` (0.34's ``mqa_q_prepared``)."""
     backend = backends.get_backend(decision.backend)
+    output_format = formats.by_name(decision.format)
     if is_mla(layer):
-        _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
+        _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra,
+                       output_format)
     else:
         run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
-                           step_rows(md, layer), one_call=decision.one_call)
+                           step_rows(md, layer), one_call=decision.one_call, output_format=output_format)
 
 
 def _cached_latents(block_table, kv_cache, context_lens: list[int], lo: int, hi: int):
@@ -94,37 +102,35 @@ def _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, first_row: int, context_le
 
 
 def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
-                   extra=None) -> None:
+                   extra=None, output_format=NVFP4) -> None:
     """An MLA call with at least one prefill row: the prefills (rows ``[D, n)``, ``n = num_actual_tokens``)
-    through :func:`fusion_pass.runtime.row_plan.run_prefills` first (its entry point may zero scale bytes of the
-    last 128-row tile, which decode rows may share), then the decode rows ``[0, D)``
+    through the fused backend first (:func:`fusion_pass.runtime.row_plan.run_prefills`, or
+    :func:`fusion_pass.runtime.fp8_rows.run_prefills_fp8_static` for static FP8; NVFP4's entry point may zero scale
+    bytes of the last 128-row tile, which decode rows may share), then the decode rows ``[0, D)``
     (:func:`_run_decode_rows`); rows past ``n`` zeroed."""
     n = int(md.num_actual_tokens)
     batch = mla_rows(md).rows
     decode, query_lens, context_lens = batch.decode_tokens, list(batch.query_lens), list(batch.context_lens)
     q, kv_c_normed, k_pe = (t[:n] for t in inputs)
-    packed, scale_bytes, scales = nvfp4_rows(output, output_block_scale, n)
+    buffers = call_buffers(output_format, output, output_scale, output_block_scale, n)
     k, v, context = _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, decode, context_lens)
-    row_plan.run_prefills(backend, q, k, v, first_row=decode, query_lens=query_lens, context_lens=context_lens,
-                          context=context, softmax_scale=float(layer.scale),
-                          output=packed[:n], output_scale=output_scale, output_block_scale=scales)
+    buffers.run_prefills(backend, q, k, v, first_row=decode, query_lens=query_lens, context_lens=context_lens,
+                         context=context, softmax_scale=float(layer.scale))
     if decode:
-        _run_decode_rows(layer, md, kv_cache, (*inputs, extra or {}), decode, output_scale, packed, scale_bytes,
-                         output_block_scale)
-    zero_padding(packed, scale_bytes, n)
+        _run_decode_rows(layer, md, kv_cache, (*inputs, extra or {}), decode, buffers)
+    buffers.zero_padding()
 
 
-def _run_decode_rows(layer, md, kv_cache, inputs, decode: int, output_scale, packed, scale_bytes,
-                     output_block_scale) -> None:
+def _run_decode_rows(layer, md, kv_cache, inputs, decode: int, buffers) -> None:
     """Rows ``[0, D)`` of an MLA call exactly as the unfused graph writes them.
 
     vLLM's ``forward_impl`` on the decode rows only (its MQA part: :meth:`fusion_pass.vllm.adapters.mla.MlaAdapter
-    .run_decode`) into a
-    ``[D, H*Dv]`` temporary of the query dtype, quantized by the unfused graph's quant op and copied into rows
-    ``[0, D)`` (:func:`fusion_pass.vllm.runtime.nvfp4_rows.write_rows`: no byte of another row of a shared 128-row tile is
-    written). Quantization is per row, so the bytes equal the unfused graph's rows ``[0, D)``.
+    .run_decode`) into a ``[D, H*Dv]`` temporary of the query dtype, quantized by the unfused graph's quant op into
+    rows ``[0, D)`` of the call's ``buffers`` (:mod:`fusion_pass.vllm.runtime.call_buffers`: no byte of another row,
+    for NVFP4 of a shared 128-row tile, is written). Quantization is per row, so the bytes equal the unfused graph's
+    rows ``[0, D)``.
     """
     q = inputs[0]
-    tmp = torch.empty(decode, packed.shape[1] * 2, dtype=q.dtype, device=q.device)
+    tmp = torch.empty(decode, buffers.width, dtype=q.dtype, device=q.device)
     registry.MLA.run_decode(layer, md, None, inputs, kv_cache, tmp)
-    write_rows(tmp, output_scale, packed, scale_bytes, slice(0, decode), output_block_scale.dtype)
+    buffers.write(tmp, slice(0, decode))

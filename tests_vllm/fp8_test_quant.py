@@ -1,0 +1,94 @@
+"""A test-only static per-tensor FP8 linear method for vLLM (never for serving): ``quant_method: "fusion_pass_test_fp8"``.
+
+Its o_proj quantizes its input with the static FP8 quant op the pass's vLLM vocabulary binds (vLLM's
+``_C::static_scaled_fp8_quant`` where the build defines it, else ``fusion_pass::static_scaled_fp8_quant``, same schema:
+``(result, input, scale)``; vLLM's CPU build has only the latter) into a ``[T, K]`` float8_e4m3fn buffer and multiplies
+with ``torch._scaled_mm`` (``scale_a`` the static scale), as vLLM's ``PerTensorTorchFP8ScaledMMLinearKernel`` does, so
+that a real ``vllm.LLM`` on CPU has attention -> static FP8 quant -> FP8 GEMM in its compiled graph. Weights are
+created in bf16 (vLLM's dummy loader fills floating-point parameters only) and quantized per tensor after loading;
+the activation scale is fixed (:data:`ACT_SCALE`).
+
+Registered through vLLM's out-of-tree quantization API when ``FUSION_PASS_VLLM_IMPORT`` names this module (it must be
+registered in every vLLM process; tests_vllm/ is on ``PYTHONPATH``).
+"""
+
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.utils import set_weight_attrs
+
+from fusion_pass.vllm.runtime.fp8_static_rows import static_quant_op
+
+NAME = "fusion_pass_test_fp8"
+FP8_MAX = 448.0
+ACT_SCALE = 0.05 / FP8_MAX  # the attention output of the tiny models (unit norms, dummy weights) stays near 1e-2
+
+
+@register_quantization_config(NAME)
+class TestFp8Config(QuantizationConfig):
+    def __init__(self, targets=("o_proj",)):
+        super().__init__()
+        self.targets = tuple(targets)
+
+    def get_name(self):
+        return NAME
+
+    def get_supported_act_dtypes(self):
+        return [torch.bfloat16]
+
+    @classmethod
+    def get_min_capability(cls):
+        return 0
+
+    @staticmethod
+    def get_config_filenames():
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]):
+        return cls(config.get("targets", ["o_proj"]))
+
+    def get_quant_method(self, layer, prefix):
+        if isinstance(layer, LinearBase):
+            if prefix.split(".")[-1] in self.targets:
+                return TestFp8LinearMethod()
+            return UnquantizedLinearMethod()
+        return None
+
+
+class TestFp8LinearMethod(LinearMethodBase):
+    """``y = _scaled_mm(fp8(x / ACT_SCALE), W_fp8^T, ACT_SCALE, w_scale)``: weight ``[N, K]`` quantized per tensor
+    (``w_scale = max |W| / 448``), stored as its ``[K, N]`` column-major transpose (what ``_scaled_mm`` takes)."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        w = ModelWeightParameter(data=torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                                                  dtype=params_dtype),
+                                 input_dim=1, output_dim=0, weight_loader=weight_loader)
+        layer.register_parameter("weight", w)
+        set_weight_attrs(w, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer):
+        w = layer.weight.data.float()
+        w_scale = torch.tensor([max(w.abs().max().item(), 1e-12) / FP8_MAX], dtype=torch.float32)
+        codes = (w / w_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        layer.weight_fp8 = Parameter(codes.t(), requires_grad=False)  # [K, N], column-major
+        layer.weight_scale = Parameter(w_scale, requires_grad=False)
+        layer.input_scale = Parameter(torch.tensor([ACT_SCALE], dtype=torch.float32), requires_grad=False)
+        del layer.weight
+        self.quant = static_quant_op()  # looked up once, vLLM's _C ops registered (not while Dynamo traces)
+
+    def apply(self, layer, x, bias=None):
+        x2 = x.reshape(-1, x.shape[-1])
+        a = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        self.quant(a, x2, layer.input_scale)
+        out = torch._scaled_mm(a, layer.weight_fp8, scale_a=layer.input_scale, scale_b=layer.weight_scale,
+                               out_dtype=x.dtype)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if bias is None else out + bias
