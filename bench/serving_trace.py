@@ -18,11 +18,12 @@ page-table row lists its region's pages in order); seven variants. Four take the
 (gathered from the slab outside the timed region, through cu_seqlens_k):
 
   unfused        FA4 bf16 over every row (decode and prefill rows in one call), then the quantizer;
-  unfused_split  the rows split as the runtime splits them: decode rows by FA4 bf16 on the decode
+  unfused_split  the rows split as the runtime splits an MLA layer's call (a standard layer's too where the
+                 one paged launch is refused): decode rows by FA4 bf16 on the decode
                  sub-batch and the row-range quantizer (the same calls as fused), prefill rows by FA4
                  bf16 on the prefill sub-batch and the row-range quantizer (two quantizer calls, not a
                  copy of both parts into one buffer and one call: see bench/_serving_steps.py);
-  fused          the runtime's way: decode rows as in unfused_split, prefill rows by the fused kernel
+  fused          the runtime's split way: decode rows as in unfused_split, prefill rows by the fused kernel
                  (FA4 with the NVFP4 epilogue);
   fused_all      every row by the fused kernel in one call.
 
