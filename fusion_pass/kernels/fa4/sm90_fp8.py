@@ -30,12 +30,12 @@ from fusion_pass.nvfp4.checks import ArgumentError
 __all__ = ["FP8_KERNEL_VERSION", "FP8_GROUP_KERNEL_VERSION", "compile_fp8_static_kernel", "compile_fp8_group_kernel",
            "fa4_attention_fp8_static_varlen", "fa4_attention_fp8_group_varlen"]
 
-FP8_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_static/1"
+FP8_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_static/2"
 """The FP8 kernel's key starts with it and :data:`KERNEL_VERSION`; bump it whenever ``sm90_fp8_kernel.py`` changes."""
 
-FP8_GROUP_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_group/1"
+FP8_GROUP_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_group/2"
 """The group kernel's key starts with it and :data:`KERNEL_VERSION`; bump it whenever ``sm90_fp8_group_kernel.py``
-changes."""
+or its base class's ``sm90_fp8_kernel.py`` changes."""
 
 
 def compile_fp8_static_kernel(q, k, v, o, output_bytes, inv_scale, cu_seqlens, cu_seqlens_k, config: Sm90Config,

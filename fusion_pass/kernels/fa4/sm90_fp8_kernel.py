@@ -12,8 +12,9 @@ It overrides:
     FA4's constructor arguments plus the keyword ``nan_byte`` (``0x7E``: NaN -> +448, vLLM's CUDA op, the default;
     ``0x7F``: the canonical NaN, the native form Inductor compiles), a compile-time constant.
 ``__call__`` (host, ``@cute.jit``)
-    ``(mQ, mK, mV, mO, mOut, mInv, softmax_scale, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, stream)``:
-    FA4's ``__call__`` with ``(mOut, mInv)`` packed into ``AuxData``.
+    ``(mQ, mK, mV, mO, mOut, mAux, softmax_scale, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, stream)``:
+    FA4's ``__call__`` with ``(mOut, mAux)`` packed into ``AuxData`` (``mAux``: here the inverse scale ``mInv``; the
+    group subclass's scales).
 ``epilogue`` (device, ``@cute.jit``)
     The NVFP4 epilogue's first half unchanged (fp32 accumulator -> query dtype -> ``sO`` through FA4's stmatrix
     copy, no TMA store), then every epilogue thread reads 16 consecutive elements of one row of ``sO``
@@ -21,7 +22,9 @@ It overrides:
     clamps it to ``[-448, 448]`` with ``min.f32`` / ``max.f32`` (which return the non-NaN operand: NaN -> +448,
     ±Inf -> ±448, exactly vLLM's ``fmaxf(-448, fminf(q, 448))``), converts pairs with
     ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest even) and, for ``nan_byte == 0x7F``, sets the low bit of the
-    byte of every NaN product (``0x7E | 1``). The 16 bytes go out as two 8-byte stores. Because the values
+    byte of every NaN product (``0x7E | 1``). The 16 bytes go out as two 8-byte stores. That last step, per
+    thread and chunk of 16 values, is :meth:`~FlashAttentionForwardSm90Fp8Static.write_chunk`: the hook another
+    FP8 format's subclass overrides (:mod:`.sm90_fp8_group_kernel`). Because the values
     quantized are exactly the bf16/fp16 values FA4 would have stored, the bytes equal
     ``fp8.quantize_static(FA4's own output, inv)`` bit for bit.
 
@@ -47,7 +50,7 @@ from flash_attn.cute.utils import AuxData
 
 from fusion_pass.kernels.fa4.sm90_kernel import FlashAttentionForwardSm90Nvfp4
 
-__all__ = ["FlashAttentionForwardSm90Fp8Static", "NAN_BYTES", "e4m3x4_static"]
+__all__ = ["ELEMS", "FlashAttentionForwardSm90Fp8Static", "NAN_BYTES", "e4m3x4_static"]
 
 NAN_BYTES = (0x7E, 0x7F)
 """The bytes a NaN product may become: +448 (vLLM's ``static_scaled_fp8_quant``) or the canonical NaN."""
@@ -96,7 +99,7 @@ class FlashAttentionForwardSm90Fp8Static(FlashAttentionForwardSm90Nvfp4):
         mV: cute.Tensor,
         mO: cute.Tensor,
         mOut: cute.Tensor,
-        mInv: cute.Tensor,
+        mAux: cute.Tensor,
         softmax_scale: Float32,
         mCuSeqlensQ: Optional[cute.Tensor] = None,
         mCuSeqlensK: Optional[cute.Tensor] = None,
@@ -116,7 +119,7 @@ class FlashAttentionForwardSm90Fp8Static(FlashAttentionForwardSm90Nvfp4):
             mCuSeqlensK,
             mSeqUsedK=mSeqUsedK,
             mPageTable=mPageTable,
-            aux_data=AuxData((mOut, mInv), None),
+            aux_data=AuxData((mOut, mAux), None),
             stream=stream,
         )
 
@@ -139,7 +142,7 @@ class FlashAttentionForwardSm90Fp8Static(FlashAttentionForwardSm90Nvfp4):
     ):
         assert mLSE is None, "the FP8 epilogue writes no LSE"
         assert not self.pack_gqa, "the FP8 epilogue needs pack_gqa=False (one head per tile)"
-        mOut, mInv = self._nvfp4_out  # stashed by the inherited mma
+        mOut, mAux = self._nvfp4_out  # stashed by the inherited mma (mAux: the format's second tensor)
 
         # 1) FA4's own first half (as the NVFP4 epilogue): fp32 acc -> query dtype -> sO (stmatrix)
         rO = cute.make_fragment_like(acc_O, self.dtype)
@@ -165,20 +168,26 @@ class FlashAttentionForwardSm90Fp8Static(FlashAttentionForwardSm90Nvfp4):
         cute.autovec_copy(tOsO, tOrO)
 
         mOut64 = cute.recast_tensor(mOut, Uint64)  # [T, H*Dv/8]: 8 bytes a word
-        inv = mInv[0]
         rows_left = seqlen.seqlen_q - m_block * self.tile_m
+        row0 = seqlen.offset_q + m_block * self.tile_m
         for i in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-            r_loc = tOcO[0, i, 0][0]
-            c_loc = tOcO[0, i, 0][1]
-            # rows past this sequence's end belong to the next sequence's CTA (or are padding)
-            if r_loc < rows_left:
-                x = cute.make_fragment_like(tOrO[None, i, None], Float32)
-                x.store(tOrO[None, i, None].load().to(Float32))
-                w0 = e4m3x4_static(x[0], x[1], x[2], x[3], inv, self.nan_byte)
-                w1 = e4m3x4_static(x[4], x[5], x[6], x[7], inv, self.nan_byte)
-                w2 = e4m3x4_static(x[8], x[9], x[10], x[11], inv, self.nan_byte)
-                w3 = e4m3x4_static(x[12], x[13], x[14], x[15], inv, self.nan_byte)
-                row = seqlen.offset_q + m_block * self.tile_m + r_loc
-                col = (head_idx * self.tile_hdimv + c_loc) // 8
-                mOut64[row, col] = Uint64(w0) | (Uint64(w1) << 32)
-                mOut64[row, col + 1] = Uint64(w2) | (Uint64(w3) << 32)
+            x = cute.make_fragment_like(tOrO[None, i, None], Float32)
+            x.store(tOrO[None, i, None].load().to(Float32))
+            # rows past this sequence's end belong to the next sequence's CTA (or are padding): the hook skips them
+            self.write_chunk(x, tOcO[0, i, 0][0], tOcO[0, i, 0][1], rows_left, row0, head_idx, mOut64, mAux)
+
+    @cute.jit
+    def write_chunk(self, x: cute.Tensor, r_loc, c_loc, rows_left, row0, head_idx, mOut64: cute.Tensor,
+                    mInv: cute.Tensor):
+        """One thread's 16 float32 values ``x`` of tile row ``r_loc``, columns ``c_loc ..`` of head ``head_idx``:
+        their static FP8 bytes into ``mOut64`` (row ``row0 + r_loc``) when the row is the sequence's
+        (``r_loc < rows_left``). The hook a format's subclass overrides (every lane calls it)."""
+        if r_loc < rows_left:
+            inv = mInv[0]
+            w0 = e4m3x4_static(x[0], x[1], x[2], x[3], inv, self.nan_byte)
+            w1 = e4m3x4_static(x[4], x[5], x[6], x[7], inv, self.nan_byte)
+            w2 = e4m3x4_static(x[8], x[9], x[10], x[11], inv, self.nan_byte)
+            w3 = e4m3x4_static(x[12], x[13], x[14], x[15], inv, self.nan_byte)
+            col = (head_idx * self.tile_hdimv + c_loc) // 8
+            mOut64[row0 + r_loc, col] = Uint64(w0) | (Uint64(w1) << 32)
+            mOut64[row0 + r_loc, col + 1] = Uint64(w2) | (Uint64(w3) << 32)
