@@ -42,7 +42,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.functional_tensor import dispatch_functionalize
 
-from fusion_pass.compile import layout
+from fusion_pass.compile import layout, native_forms
 from fusion_pass.patterns import AttentionQuantPattern, OpVocabulary, QuantForm
 
 aten = torch.ops.aten
@@ -337,7 +337,7 @@ def _examine_chain(attention: Node, pattern: AttentionQuantPattern, vocab: OpVoc
             chain.append(user)
             node = user
             continue
-        return no_quant
+        return native_forms.native_quant_reason(user) or no_quant
     quant = user
     if quant.kwargs.get(form.input) is not node:
         return "bf16_output_is_not_the_quant_input"
