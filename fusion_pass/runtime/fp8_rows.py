@@ -15,7 +15,6 @@ rows after":
 * :func:`run_on_prefill_fp8_static`: a whole call: the fused prefills first, then every other row (decode rows,
   prefills the backend does not fuse) computed as the unfused graph computes it, rounded to the query dtype and
   quantized into its own rows (:func:`post_quantize_rows_fp8_static`);
-* :func:`write_fp8_static`: the unfused computation's bytes for every row (the guard's fallback).
 
 The unfused bytes are vLLM's ``static_scaled_fp8_quant`` of the query-dtype attention:
 :func:`fusion_pass.fp8.quantize_static` under :func:`fusion_pass.fp8.reciprocal` of the scale, a NaN +448 (``0x7E``,
@@ -36,8 +35,8 @@ from fusion_pass.runtime.backends.base import fused_prefills
 from fusion_pass.runtime.row_plan import ContextRows, check_prefills, run_rows, write_prefills
 from fusion_pass.runtime.settings import check_token_count, context_workspace_tokens
 
-__all__ = ["FP8StaticRows", "NAN_RULE", "post_quantize_rows_fp8_static", "run_on_prefill_fp8_static", "run_prefills_fp8_static",
-           "write_fp8_static"]
+__all__ = ["FP8StaticRows", "NAN_RULE", "post_quantize_rows_fp8_static", "run_on_prefill_fp8_static",
+           "run_prefills_fp8_static"]
 
 NAN_RULE = fp8.NaNRule.POSITIVE_MAX
 """What a NaN becomes in the op form's bytes: +448 (``0x7E``), vLLM's ``static_scaled_fp8_quant``."""
@@ -55,12 +54,6 @@ def post_quantize_rows_fp8_static(rows: Tensor, scale: Tensor, output: Tensor, r
     ``static_scaled_fp8_quant(result, rows, scale)``. No device value is read back."""
     q8 = fp8.quantize_static(rows.reshape(rows.shape[0], -1), fp8.reciprocal(scale), nan=NAN_RULE)
     _rows2d(output, t)[row_start:row_start + rows.shape[0]] = q8.view(torch.uint8)
-
-
-def write_fp8_static(out: Tensor, dtype: torch.dtype, output: Tensor, scale: Tensor) -> None:
-    """The unfused graph's bytes of every row: attention ``out [T, H, Dv]`` rounded to ``dtype`` (the query dtype:
-    the attention op's output), then :func:`post_quantize_rows_fp8_static` of all ``T`` rows."""
-    post_quantize_rows_fp8_static(out.to(dtype), scale, output, 0, out.shape[0])
 
 
 class FP8StaticRows:
@@ -84,6 +77,9 @@ class FP8StaticRows:
 
     def rows(self, x: Tensor, row_start: int) -> None:
         post_quantize_rows_fp8_static(x, self.scale, self.output, row_start, self.t)
+
+    def everything(self, x: Tensor) -> None:
+        post_quantize_rows_fp8_static(x, self.scale, self.output, 0, self.t)
 
 
 def run_prefills_fp8_static(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: int, query_lens: list[int],

@@ -231,7 +231,9 @@ class RowWriter(Protocol):
     * ``merge(backend, out_a, lse_a, out_b, lse_b, first_row)``: two partial attentions merged into the format at
       rows ``first_row`` on (context beyond the workspace bound), None where the format has no merge;
     * ``rows(x, row_start)``: query-dtype attention ``x [M, H*Dv]`` quantized into rows ``[row_start, row_start +
-      M)`` as the unfused graph's quant op writes them, no other row touched.
+      M)`` as the unfused graph's quant op writes them, no other row touched;
+    * ``everything(x)``: query-dtype attention ``x [T, H*Dv]`` of every row quantized as the unfused graph's quant
+      op writes the whole buffers (padding included): a call no row of which is fused.
     """
 
     def fused(self, backend: Any, context_lens: list[int]) -> list[bool]: ...
@@ -242,6 +244,8 @@ class RowWriter(Protocol):
     merge: Callable[..., None] | None
 
     def rows(self, x: Tensor, row_start: int) -> None: ...
+
+    def everything(self, x: Tensor) -> None: ...
 
 
 class NVFP4Rows:
@@ -266,6 +270,12 @@ class NVFP4Rows:
 
     def rows(self, x: Tensor, row_start: int) -> None:
         post_quantize_rows(x, self.output_scale, self.output, self.output_block_scale, row_start, self.t)
+
+    def everything(self, x: Tensor) -> None:
+        """The kernel the unfused graph's ``scaled_fp4_quant.out`` runs (:func:`launchers.quantize_into`): every
+        byte of both buffers."""
+        packed, scales = nvfp4.byte_views(self.output, self.output_block_scale, self.t)
+        launchers.quantize_into(x, self.output_scale, packed, scales, swizzled=True)
 
 
 def write_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, first_row: int, query_lens: list[int],

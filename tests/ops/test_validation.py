@@ -397,7 +397,7 @@ def test_a_failure_part_way_rolls_the_cache_back_and_is_not_counted(layer, monke
     mixed = f"{reference}.run_paged" if layer.kind == "gqa" else "fusion_pass.runtime.row_plan.post_quantize_rows"
     for scenario, target in (("prefill", f"{reference}.run_varlen"),
                              ("mixed", mixed),  # the standard layer's one call over its pages, MLA's split
-                             ("decode", "fusion_pass.runtime.engine.attention_call._write_output")):
+                             ("decode", "fusion_pass.runtime.row_plan.NVFP4Rows.everything")):
         history, spec, inputs = _setup(layer, scenario)
         before, cache = counters.counters(), _cache_state(layer.impl)
         with monkeypatch.context() as m:

@@ -15,9 +15,7 @@ import torch
 from torch import Tensor
 
 from fusion_pass import formats, nvfp4
-from fusion_pass.kernels import launchers
-from fusion_pass.runtime import backends, counters, guard, row_plan, self_check, settings
-from fusion_pass.runtime.engine import fp8_call
+from fusion_pass.runtime import backends, counters, fp8_rows, guard, row_plan, self_check, settings
 
 __all__ = ["layer_shape", "run"]
 
@@ -41,21 +39,12 @@ def layer_shape(impl, q: Tensor, inputs: tuple = ()) -> guard.LayerShape:
     return shape
 
 
-def _write_output(out: Tensor, dtype: torch.dtype, output: Tensor, output_scale, output_block_scale) -> None:
-    """Write attention ``out [T, H, Dv]`` into the op's output buffer(s), as the unfused graph would.
-
-    Without ``output_scale``: ``output`` holds ``T * H * Dv`` elements of the query dtype. With it (the
-    fallback): attention rounded to the query dtype, then quantized by the kernel the unfused graph's
-    ``scaled_fp4_quant.out`` runs (:func:`fusion_pass.kernels.launchers.quantize_into`) into ``output`` uint8
-    ``[T, H*Dv/2]`` and the swizzled ``output_block_scale``.
-    """
-    t = out.shape[0]
-    if output_scale is None:
-        output.view(out.shape).copy_(out)
-        return
-    flat = out.to(dtype).reshape(t, -1)
-    packed, scales = nvfp4.byte_views(output, output_block_scale, t)
-    launchers.quantize_into(flat, output_scale, packed, scales, swizzled=True)
+def _writer(output_format: formats.OutputFormat, output: Tensor, output_scale: Tensor, output_block_scale,
+            t: int) -> row_plan.RowWriter:
+    """The call's buffers as its format's :class:`~fusion_pass.runtime.row_plan.RowWriter` (``T`` rows)."""
+    if output_format is formats.FP8_STATIC:
+        return fp8_rows.FP8StaticRows(output, output_scale, t)
+    return row_plan.NVFP4Rows(output, output_scale, output_block_scale, t)
 
 
 def _half_prefill_kernel(impl, q: Tensor, spec, inputs: tuple) -> Callable[..., Tensor] | None:
@@ -120,8 +109,8 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, 
         output_format: formats.OutputFormat | None = None) -> None:
     """One attention call of ``impl`` (an MLA or standard runtime) on ``inputs`` for the batch ``spec``.
 
-    Without ``output_scale``: attention in the query dtype, not guarded (:func:`_attention`). With it (the
-    global scale; NVFP4 output): :func:`fusion_pass.runtime.guard.decide` picks the rows; the fused rows run
+    Without ``output_scale``: attention in the query dtype, not guarded (:func:`_attention`). With it (a quantized
+    output: NVFP4 or static FP8): :func:`fusion_pass.runtime.guard.decide` picks the rows; the fused rows run
     the selected backend through the row plan (attention quantized from float32), the others exactly the
     unfused computation (attention rounded to the query dtype, then quantized); a standard layer's call with
     decode and prefill rows is offered as one launch over the layer's paged cache (``Decision.one_call``: every
@@ -130,31 +119,27 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, 
     guard's ``kv_dtype``); :func:`fusion_pass.runtime.counters.record` counts the call once it has completed (under
     ``layer_name`` too). Should the computation fail part-way, the layer's cache is rolled back
     (``impl.cache.transaction()``). ``output_format``: the format the buffers say
-    (:func:`fusion_pass.formats.call_format`, read here when not given); static FP8 goes to
-    :func:`fusion_pass.runtime.engine.fp8_call.run`.
+    (:func:`fusion_pass.formats.call_format`, read here when not given): the guard decides for it and its
+    :class:`~fusion_pass.runtime.row_plan.RowWriter` (:func:`_writer`) writes the rows, fused or not.
     """
     q = inputs[0]
     settings.check_environment()
     if output_scale is None:
         with impl.cache.transaction():
             out = _attention(impl, inputs, spec, q)
-            _write_output(out, q.dtype, output, output_scale, output_block_scale)
+            output.view(out.shape).copy_(out)
         return
     output_format = output_format or formats.call_format(output, output_scale, output_block_scale)
-    if output_format is not formats.NVFP4:  # the format's own row plan
-        fp8_call.run(impl, inputs, spec, output, output_scale, output_format, layer=layer_shape(impl, q, inputs),
-                     attention=_attention, layer_name=layer_name)
-        return
+    writer = _writer(output_format, output, output_scale, output_block_scale, spec.num_tokens)
     decision = guard.decide(guard.BatchRows.from_spec(spec), layer_shape(impl, q, inputs),
-                            one_call_refusal=_one_call_refusal(impl, inputs, spec))
+                            one_call_refusal=_one_call_refusal(impl, inputs, spec), output_format=output_format)
     with impl.cache.transaction():
-        if decision.one_call:
+        if decision.one_call:  # the guard offers it only for a format the backend's paged launch writes (NVFP4)
             _run_one_call(backends.get_backend(decision.backend), impl, inputs, spec, output, output_scale,
                           output_block_scale)
         elif decision.fused:
-            row_plan.run_on_prefill(backends.get_backend(decision.backend), impl, inputs, spec, output, output_scale,
-                                    output_block_scale)
+            row_plan.run_rows(backends.get_backend(decision.backend), impl, inputs, spec, writer)
         else:
             out = _attention(impl, inputs, spec, q)
-            _write_output(out, q.dtype, output, output_scale, output_block_scale)
+            writer.everything(out.to(q.dtype).reshape(spec.num_tokens, -1))
     counters.record(decision, layer_name)
