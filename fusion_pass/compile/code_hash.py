@@ -18,7 +18,8 @@ from pathlib import Path
 
 __all__ = ["COMPILE_TIME", "code_digest", "source_files"]
 
-COMPILE_TIME = ("fusion_pass.compile", "fusion_pass.patterns", "fusion_pass.ops", "fusion_pass.nvfp4")
+COMPILE_TIME = ("fusion_pass.compile", "fusion_pass.patterns", "fusion_pass.ops", "fusion_pass.nvfp4",
+                "fusion_pass.formats", "fusion_pass.fp8")
 """Packages (every ``.py`` file below them) and modules whose code decides a rewrite, for every pass."""
 
 DISTRIBUTION = "attn-nvfp4-fusion"

@@ -129,19 +129,18 @@ def step_reason(node: Node) -> str | None:
     return None if _slice_is_whole(node, src) else "quant_reads_slice"
 
 
-def nvfp4_rows_of_width(packed, scales, width: int) -> bool:
-    """Whether NVFP4 buffers (``packed`` codes, swizzled ``scales`` of any one-byte or int32 dtype) hold rows of
-    ``width`` elements: ``width / 2`` bytes of codes and ``round_up(width / 16, 4)`` scale bytes per row."""
-    scale_bytes = (width // 16 + 3) // 4 * 4
-    return (isinstance(packed, torch.Tensor) and isinstance(scales, torch.Tensor) and packed.dim() == scales.dim() == 2
-            and known_equal(packed.shape[1], width // 2) and known_equal(scales.shape[1] * scales.element_size(),
-                                                                         scale_bytes))
-
-
-def fp8_rows_of_width(result, width: int) -> bool:
-    """Whether a float8_e4m3fn ``result`` holds rows of ``width`` elements (``[M, width]``)."""
-    return (isinstance(result, torch.Tensor) and result.dim() == 2 and result.dtype == torch.float8_e4m3fn
-            and known_equal(result.shape[1], width))
+def rows_of_width(buffers, specs, width: int) -> bool:
+    """Whether the quant's ``buffers`` hold rows of a ``width``-element output as the format's buffer ``specs``
+    (:class:`fusion_pass.formats.BufferSpec`) say: each 2-D with as many bytes per row as its spec (any dtype view
+    of them: vLLM's int32 NVFP4 scales, their one-byte views), the first (the codes) in the spec's dtype's size."""
+    if len(buffers) != len(specs):
+        return False
+    for i, (t, spec) in enumerate(zip(buffers, specs)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or (i == 0 and t.element_size() != spec.dtype.itemsize):
+            return False
+        if not known_equal(t.shape[1] * t.element_size(), spec.shape(1, width)[1] * spec.dtype.itemsize):
+            return False
+    return True
 
 
 def reads_token_rows(t, tokens, width: int) -> bool:

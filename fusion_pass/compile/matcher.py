@@ -42,6 +42,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.functional_tensor import dispatch_functionalize
 
+from fusion_pass import formats
 from fusion_pass.compile import layout, native_forms
 from fusion_pass.patterns import AttentionQuantPattern, OpVocabulary, QuantForm
 
@@ -230,15 +231,14 @@ def attention_shape(attention: Node, width: int) -> AttentionShape | None:
 
 
 def _quant_buffers_reason(quant: Node, form: QuantForm, width: int) -> str | None:
-    """The fused op writes the quant's buffers whole, row-major and ``width`` elements wide: they must be that
-    (vLLM's ``padded_n`` widens NVFP4 buffers for a weight whose K it padded)."""
+    """The fused op writes the quant's buffers whole, row-major, as wide as the format's for ``width`` elements."""
     if any(is_view_of_base(quant, arg) for arg in form.buffers):
         return "quant_buffers_are_views"
     buffers = [layout.value(buffer_arg(quant, arg)) for arg in form.buffers]
     if not all(layout.tensor_is_row_major(b) for b in buffers):
         return "quant_buffers_not_contiguous"
-    fits = layout.nvfp4_rows_of_width if form.format == "nvfp4" else layout.fp8_rows_of_width
-    return None if fits(*buffers, width) else "quant_buffers_padded"
+    fits = layout.rows_of_width(buffers, formats.by_name(form.format).buffers, width)  # e.g. not vLLM's padded_n
+    return None if fits else "quant_buffers_padded"
 
 
 def _gemm_reason(quant: Node, form: QuantForm, vocab: OpVocabulary) -> str | None:
