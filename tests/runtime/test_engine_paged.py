@@ -358,6 +358,26 @@ def test_copies_snapshots_and_argument_errors():
             runtime.AttentionImpl(num_heads=2, num_kv_heads=1, head_dim=16, softmax_scale=0.25, page_size=bad)
 
 
+@pytest.mark.parametrize("bad, message", [
+    ({"zz": (torch.zeros(3, 2), torch.zeros(5, 1))}, "request 'zz': its tensors must share the token count"),
+    ({"zz": (torch.zeros(3, 4), torch.zeros(3, 1))}, r"request '(zz|a)' has rows \[\((4|2),\), \(1,\)\], the others"),
+    ({"zz": [torch.zeros(3, 2), torch.zeros(3, 1)]}, "request 'zz' must be a tuple of tensors"),
+])
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_a_bad_snapshot_is_refused_before_the_cache_changes(bad, message, bad_first):
+    cache = PagedCache(page_size=2)
+    for rid, n in (("a", 5), ("b", 3)):
+        cache.extend(runtime.RequestSpec(rid, n, 0), (torch.randn(n, 2), torch.randn(n, 1)))
+    before, pages = cache.entries(), cache.page_counts()
+    good = cache.entries()
+    snapshot = {**bad, **good} if bad_first else {**good, **bad}
+    with pytest.raises(ArgumentError, match=message):
+        cache.restore(snapshot)
+    after = cache.entries()
+    assert after.keys() == before.keys() and cache.page_counts() == pages
+    assert all(torch.equal(x, y) for rid in before for x, y in zip(after[rid], before[rid]))
+
+
 def test_tokens_in_another_dtype_move_the_request_to_the_promoted_pool():
     cache = PagedCache(page_size=3)
     bf16 = torch.randn(4, 2).to(torch.bfloat16)

@@ -383,12 +383,38 @@ class PagedCache(KVCache):
 
     def restore(self, entries: dict[str, tuple[Tensor, ...]]) -> None:
         """Put back the tokens :meth:`entries` returned, into fresh pools (every entry and pool before is
-        dropped)."""
+        dropped). Checked first (ArgumentError naming the request; nothing changed): each entry a tuple of tensors
+        of one device with equal token counts, and every entry with the first one's number of forms and row
+        shapes. Built aside, then swapped in."""
+        _check_snapshot(entries)
         with self._lock:
-            self._entries.clear()
-            self._pools.clear()
-            for rid, forms in entries.items():
-                pool = self._pool(forms[0].device, forms, [x.dtype for x in forms])
-                pages = tuple(pool.take(-(-forms[0].shape[0] // self.page_size)))
-                pool.write(pages, 0, forms)
-                self._entries[rid] = PagedEntry(pool, pages, forms[0].shape[0])
+            kept_entries, kept_pools = self._entries, self._pools
+            self._entries, self._pools = {}, {}
+            try:
+                for rid, forms in entries.items():
+                    pool = self._pool(forms[0].device, forms, [x.dtype for x in forms])
+                    pages = tuple(pool.take(-(-forms[0].shape[0] // self.page_size)))
+                    pool.write(pages, 0, forms)
+                    self._entries[rid] = PagedEntry(pool, pages, forms[0].shape[0])
+            except BaseException:
+                self._entries, self._pools = kept_entries, kept_pools
+                raise
+
+
+def _check_snapshot(entries) -> None:
+    """What :meth:`PagedCache.restore` takes: ``{request id: (k [S, ...], v [S, ...])}`` of one layout."""
+    if not isinstance(entries, dict):
+        raise ArgumentError(f"PagedCache.restore: entries must be a dict of request id -> tensors, got "
+                            f"{type(entries).__name__}")
+    rows = None
+    for rid, forms in entries.items():
+        if not (isinstance(forms, tuple) and forms and all(isinstance(x, Tensor) for x in forms)):
+            raise ArgumentError(f"PagedCache.restore: request {rid!r} must be a tuple of tensors, got {forms!r:.80}")
+        if len({x.shape[0] for x in forms}) != 1 or len({x.device for x in forms}) != 1:
+            raise ArgumentError(f"PagedCache.restore: request {rid!r}: its tensors must share the token count and "
+                                f"the device, got shapes {[list(x.shape) for x in forms]} on "
+                                f"{[str(x.device) for x in forms]}")
+        shapes = [tuple(x.shape[1:]) for x in forms]
+        if rows is not None and shapes != rows:
+            raise ArgumentError(f"PagedCache.restore: request {rid!r} has rows {shapes}, the others {rows}")
+        rows = shapes
