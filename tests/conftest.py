@@ -20,6 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# No precompiled C++ headers for Inductor's CPU kernels: they are shared by every process of the machine, and under
+# two test workers a kernel now and then compiled against a header without ATen's vector types ("'at::vec' has not
+# been declared"), failing a test at random. Read when torch._inductor.config is first imported (not by torch).
+os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
+
 
 @pytest.fixture
 def clean_backend_state(monkeypatch):
