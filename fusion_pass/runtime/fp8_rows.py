@@ -12,9 +12,10 @@ rows after":
   (``cu_seqlens_k``), as :func:`~fusion_pass.runtime.row_plan.run_prefills` does within the workspace bound.
   Beyond the bound NVFP4 merges context chunks; no backend has an FP8 merge yet, so the guard does not fuse
   such prefills (:func:`fusion_pass.runtime.backends.base.fused_prefills`) and this function refuses them;
-* :func:`run_on_prefill_fp8_static`: a whole call: the fused prefills first, then every other row (decode rows,
-  prefills the backend does not fuse) computed as the unfused graph computes it, rounded to the query dtype and
-  quantized into its own rows (:func:`post_quantize_rows_fp8_static`);
+* :class:`FP8StaticRows`: the writer :func:`fusion_pass.runtime.row_plan.run_rows` takes for a whole call: the
+  fused prefills first, then every other row (decode rows, prefills the backend does not fuse) computed as the
+  unfused graph computes it, rounded to the query dtype and quantized into its own rows
+  (:func:`post_quantize_rows_fp8_static`);
 
 The unfused bytes are vLLM's ``static_scaled_fp8_quant`` of the query-dtype attention:
 :func:`fusion_pass.fp8.quantize_static` under :func:`fusion_pass.fp8.reciprocal` of the scale, a NaN +448 (``0x7E``,
@@ -32,11 +33,10 @@ from torch import Tensor
 from fusion_pass import fp8
 from fusion_pass.formats import FP8_STATIC
 from fusion_pass.runtime.backends.base import fused_prefills
-from fusion_pass.runtime.row_plan import ContextRows, check_prefills, run_rows, write_prefills
+from fusion_pass.runtime.row_plan import ContextRows, check_prefills, write_prefills
 from fusion_pass.runtime.settings import check_token_count, context_workspace_tokens
 
-__all__ = ["FP8StaticRows", "NAN_RULE", "post_quantize_rows_fp8_static", "run_on_prefill_fp8_static",
-           "run_prefills_fp8_static"]
+__all__ = ["FP8StaticRows", "NAN_RULE", "post_quantize_rows_fp8_static", "run_prefills_fp8_static"]
 
 NAN_RULE = fp8.NaNRule.POSITIVE_MAX
 """What a NaN becomes in the op form's bytes: +448 (``0x7E``), vLLM's ``static_scaled_fp8_quant``."""
@@ -108,13 +108,3 @@ def run_prefills_fp8_static(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, fi
                          f"chunks (the guard post-quantizes such prefills)")
     write_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale,
                   FP8StaticRows(output, scale, q.shape[0]), bound)
-
-
-def run_on_prefill_fp8_static(backend: Any, impl: Any, inputs: tuple, spec: Any, output: Tensor,
-                              scale: Tensor) -> None:
-    """The fused backend's FP8 kernel on the rows of the prefills it writes in this format
-    (:func:`~fusion_pass.runtime.backends.base.fused_prefills`: every prefill without cached context, those with it
-    while their context fits the workspace bound), at their global rows; every other row computed by the layer's
-    runtime as the unfused graph computes it (float32), rounded to the query dtype and post-quantized into its rows
-    (:func:`fusion_pass.runtime.row_plan.run_rows` with :class:`FP8StaticRows`)."""
-    run_rows(backend, impl, inputs, spec, FP8StaticRows(output, scale, spec.num_tokens))
