@@ -48,6 +48,7 @@ class Rule:
 _TRACE = "bench/serving_trace.py --clock graph, H200, 2026-12-02 (docs/benchmarks.md)"
 _KERNELS = "bench/attention.py, H200, 2026-12-02 (docs/benchmarks.md)"
 _PAGED = "bench/serving_trace.py --clock graph --page-size 16, H200, 2026-12-05 (docs/benchmarks.md)"
+_PAGED_H100 = "the same bench, H100, 2026-12-05"
 
 POLICY_TABLE: tuple[Rule, ...] = (
     Rule("cpu", "prefill", True, False, "the CPU path: the reference backend, what the tests and the demo run"),
@@ -66,8 +67,9 @@ POLICY_TABLE: tuple[Rule, ...] = (
     Rule("sm90", "mixed_one_call", False, True,
          f"the paged fused call against FA4's paged call + quant: 0.999x-1.011x overall on the steps with prefill "
          f"rows, 0.983x-0.989x on decode-only steps, no step resolved beyond the noise of identical calls "
-         f"(0.91x-1.10x) (MLA and GQA, budgets 2048 and 8192; {_PAGED}): no measurable gain; FA4 has no split-KV "
-         f"decode on SM90 where vLLM's FA3 splits long decode rows"),
+         f"(0.91x-1.10x) (MLA and GQA, budgets 2048 and 8192; {_PAGED}); again on an H100 with the variants "
+         f"interleaved, 0.999x-1.013x overall, worst steps 0.93x-0.97x ({_PAGED_H100}): no measurable gain; FA4 "
+         f"has no split-KV decode on SM90 where vLLM's FA3 splits long decode rows"),
     Rule("sm100", "prefill", True, False,
          "no Blackwell GPU was lent to this project: FA4 is the fastest published SM100 prefill "
          "kernel, and the fused call replaces its launch and the quant's"),

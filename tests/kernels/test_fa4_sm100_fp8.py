@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -118,7 +119,9 @@ def test_sm100_fp8_static_kernel_compiles_on_the_cpu(tmp_path):
         keys = common._caches["fusion_pass_fa4_sm100"].cache
         print("compiled", len(keys), sorted({key[1][2] for key in keys}))
     """)
-    env = dict(os.environ, **SM100_ENV, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    root = str(pathlib.Path(__file__).resolve().parents[2])  # the checkout, where the package is not installed
+    env = dict(os.environ, **SM100_ENV, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900,
                             cwd=tmp_path)
     assert result.returncode == 0 and "compiled 3 [126, 127]" in result.stdout, \

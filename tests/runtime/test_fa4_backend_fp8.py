@@ -1,18 +1,17 @@
 """The ``fa4`` backend's static FP8 launch (``FA4Backend.run_varlen_fp8_static``): which devices it is offered on,
 what it hands FA4's SM90 FP8 kernel, and (on an SM90 GPU with FA4) the bytes through the attention op.
 
-CPU: no generation lists FP8 static before its kernel's GPU byte tests ran (the self-check's canary is NVFP4's);
+CPU: only SM90 lists FP8 static (its kernel's GPU byte tests passed on an H100; the self-check's canary is NVFP4's);
 ``formats`` says FP8 static only where the current device's generation lists it (stand-in table and detection); the
 launch hands :func:`fusion_pass.kernels.fa4.sm90_fp8.fa4_attention_fp8_static_varlen` the output as ``[T, H*Dv]``
 (a view of the same bytes), ``1 / scale`` (or the inverse given) and the NaN rule, and refuses a rule the static
 epilogue does not write. GPU: generated prefill batches through ``torch.ops.fusion_pass.attention_with_output``
 with ``FUSION_PASS_BACKEND=fa4`` and SM90 listing the format: every byte equals ``fp8.quantize_static`` of FA4's
-own bf16 output (the run after which the table lists it).
+own bf16 output (the run after which the table lists it: H100, 2026-12-05).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -27,20 +26,14 @@ from fusion_pass.runtime.backends import base, fa4 as fa4_backend
 from sm90_gpu import gpu  # noqa: E402
 
 
-def _listing_fp8_on_sm90(monkeypatch):
-    """The generations table as it will read once the SM90 FP8 epilogue's GPU byte tests have passed."""
-    table = tuple(dataclasses.replace(g, formats=(*g.formats, "fp8_static")) if g.name == "sm90" else g
-                  for g in generations.GENERATIONS)
-    monkeypatch.setattr(generations, "GENERATIONS", table)
-
-
-def test_no_generation_offers_fp8_static_before_its_gpu_byte_tests_ran():
-    assert all("fp8_static" not in g.formats for g in generations.GENERATIONS)
+def test_sm90_alone_lists_fp8_static_its_gpu_byte_tests_passed_there():
+    """SM90's static FP8 epilogue passed its GPU byte tests (H100, 2026-12-05); SM100's is compiled only."""
+    listed = {g.name: "fp8_static" in g.formats for g in generations.GENERATIONS}
+    assert listed == {"sm90": True, "sm100": False}
 
 
 @pytest.mark.parametrize("arch, writes_fp8", [(None, False), (90, True), (100, False), (120, False)])
 def test_fp8_static_is_offered_where_the_generation_lists_it(monkeypatch, arch, writes_fp8):
-    _listing_fp8_on_sm90(monkeypatch)
     monkeypatch.setattr(fa4_backend, "device_arch", lambda index=None: arch)
     backend = backends.get_backend("fa4")
     assert base.writes(backend, formats.NVFP4)
@@ -97,7 +90,6 @@ def test_the_op_writes_fa4s_fp8_bytes_on_sm90(monkeypatch, heads):
     name = f"test_fa4_backend_fp8.{seed}"
     impl = runtime.AttentionImpl(num_heads=h, num_kv_heads=hkv, head_dim=d, v_head_dim=dv, softmax_scale=d ** -0.5)
     runtime.register_layer(name, impl)
-    _listing_fp8_on_sm90(monkeypatch)  # the run this test is for
     monkeypatch.setenv("FUSION_PASS_BACKEND", "fa4")
     counters.reset_counters()
     try:

@@ -161,7 +161,8 @@ def _run_schedule(monkeypatch, kind, kernel, workspace_tokens, steps):
                 rows, cols = nvfp4.scale_shape(t, width)
                 packed = torch.full((t, width // 2), poison, dtype=torch.uint8, device=DEVICE)
                 scales = torch.full((rows, cols), poison, dtype=torch.uint8, device=DEVICE)
-                with runtime.batch(spec), settings.use_context_workspace_tokens(workspace_tokens):
+                with (runtime.batch(spec), settings.use_context_workspace_tokens(workspace_tokens),
+                      settings.use_policy("always")):  # every row the kernel can take, whatever the GPU policy says
                     op(*inputs, packed, name, gs, scales)
                 got.append((packed, scales))
             where = f"seed {seed}, kind {kind}, kernel {kernel}, workspace {workspace_tokens}, step {spec.requests}"

@@ -373,6 +373,7 @@ def test_a_failed_check_keeps_the_backend_out_of_the_unfused_path_too(monkeypatc
 
     monkeypatch.setattr(attention_call, "layer_shape", lambda impl, q, inputs: shape)
     assert attention_call._half_prefill_kernel(Impl(), q, SPECS["prefill"], (q,)) is None
+    monkeypatch.setattr(backends.FA4Backend, "canary", lambda self, *a: (True, "ok"))  # a GPU checks again
     self_check.forget_self_checks()
     assert attention_call._half_prefill_kernel(Impl(), q, SPECS["prefill"], (q,)) is backends.get_backend(
         "fa4").half_attention
