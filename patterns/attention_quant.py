@@ -19,6 +19,11 @@ Two graph forms, each written for MLA and for standard attention:
   vocabulary's fused op (same arguments), so the fused kernel runs there; in a
   vocabulary whose attention op is its own fused op it is refused as
   ``attention_already_quantized`` (never rewritten twice).
+* ``*_fp8_static_native``: no quant op; the quant is aten ops (vLLM's ``QuantFP8`` under the default
+  ``custom_ops="none"``). The replacement hands the attention op the graph's reciprocal of the scale as
+  ``output_inv_scale`` (:mod:`fusion_pass.compile.native_match`).
+
+The ``*_fp8_static_quant`` entries are the op form for static per-tensor FP8 (``static_scaled_fp8_quant``).
 
 Shapes (T tokens, H heads, Dv = v_head_dim):
 ``output`` [T, H*Dv] (MLA) or [T, H, Dv] (standard) in the query dtype;
@@ -33,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from fusion_pass.fp8 import E4M3_MAX as FP8_MAX
 from fusion_pass.nvfp4 import BLOCK_SIZE
 
 # The bridge between the two ops' names: the quant op's ``output`` / ``output_scale`` are the packed codes and
@@ -90,6 +96,36 @@ def attention_fp8_static_pattern(ops, q, k, v, output, quant_out, scale, layer_n
 
 def attention_fp8_static_replacement(ops, q, k, v, output, quant_out, scale, layer_name):
     ops.writing_quantized("attention")(q, k, v, quant_out, layer_name, scale)
+    return (quant_out,)
+
+
+# ---------------------------------------------------------------- static per-tensor FP8, native form (no quant op)
+
+
+def native_fp8_static(x, scale):
+    """vLLM's ``QuantFP8`` for a static per-tensor scale as the default compile builds it (``custom_ops="none"``):
+    aten ops, no quant op (docs/formats.md)."""
+    return (x.to(torch.float32) * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def mla_fp8_native_pattern(ops, q, kv_c_normed, k_pe, output, quant_out, scale, layer_name):
+    ops.mla_attention(q, kv_c_normed, k_pe, output, layer_name)
+    return (native_fp8_static(output, scale),)
+
+
+def mla_fp8_native_replacement(ops, q, kv_c_normed, k_pe, output, quant_out, scale, layer_name):
+    ops.writing_quantized("mla_attention")(q, kv_c_normed, k_pe, quant_out, layer_name,
+                                           output_inv_scale=scale.reciprocal())
+    return (quant_out,)
+
+
+def attention_fp8_native_pattern(ops, q, k, v, output, quant_out, scale, layer_name):
+    ops.attention(q, k, v, output, layer_name)
+    return (native_fp8_static(output.reshape(output.shape[0], -1), scale),)
+
+
+def attention_fp8_native_replacement(ops, q, k, v, output, quant_out, scale, layer_name):
+    ops.writing_quantized("attention")(q, k, v, quant_out, layer_name, output_inv_scale=scale.reciprocal())
     return (quant_out,)
 
 
@@ -165,9 +201,9 @@ class AttentionQuantPattern:
     ``extra_check(shape)`` (``shape`` a :class:`fusion_pass.compile.matcher.AttentionShape`: ``num_heads``,
     ``v_head_dim``) returns a refusal reason or None; ``format`` names the output format
     (:data:`fusion_pass.formats.FORMATS`) whose quant form (:meth:`OpVocabulary.quant_form`) and GEMM forms
-    the match follows. Which graph form
-    the entry matches, and how it is rewritten, follows from the traced
-    ``pattern`` (module docstring).
+    the match follows; ``quant``: ``"op"`` (the graph calls a quant op: the anchors of the traced ``pattern``
+    say the graph form, module docstring) or ``"native"`` (the quant is the pattern's elementwise aten ops:
+    :mod:`fusion_pass.compile.native_match`).
     """
 
     name: str
@@ -178,6 +214,7 @@ class AttentionQuantPattern:
     example_inputs: Callable[[], tuple]
     extra_check: Callable = v_head_dim_fits_nvfp4_blocks
     format: str = "nvfp4"
+    quant: str = "op"
 
 
 PATTERNS: tuple[AttentionQuantPattern, ...] = (
@@ -195,4 +232,10 @@ PATTERNS: tuple[AttentionQuantPattern, ...] = (
     AttentionQuantPattern("attention_fp8_static_quant", "attention", ("q", "k", "v"),
                           attention_fp8_static_pattern, attention_fp8_static_replacement,
                           attention_fp8_static_example_inputs, any_head_dim, "fp8_static"),
+    AttentionQuantPattern("mla_attention_fp8_static_native", "mla_attention", ("q", "kv_c_normed", "k_pe"),
+                          mla_fp8_native_pattern, mla_fp8_native_replacement, mla_fp8_static_example_inputs,
+                          any_head_dim, "fp8_static", "native"),
+    AttentionQuantPattern("attention_fp8_static_native", "attention", ("q", "k", "v"),
+                          attention_fp8_native_pattern, attention_fp8_native_replacement,
+                          attention_fp8_static_example_inputs, any_head_dim, "fp8_static", "native"),
 )

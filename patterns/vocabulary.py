@@ -152,6 +152,13 @@ class OpVocabulary:
         and otherwise calls vLLM's op), else the attention op itself with ``output_scale``."""
         return getattr(self, f"fused_{role}") or getattr(self, role)
 
+    def writes_native(self, role: str) -> bool:
+        """Whether ``role``'s quantized-output op takes ``output_inv_scale`` (static FP8 in the native form, the
+        graph's reciprocal of the scale: this project's ops) and the vocabulary has a static FP8 GEMM form."""
+        op = self.writing_quantized(role)
+        return bool(self.fp8_static_gemms) and op is not None and any(
+            a.name == "output_inv_scale" for a in op._schema.arguments)
+
     def attention_ops(self) -> dict[OpOverload, str]:
         """Attention op -> role name, for the roles this vocabulary has."""
         ops = {self.attention: "attention", self.mla_attention: "mla_attention"}

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fusion_pass.compile import code_hash, debug, matcher, summary
+from fusion_pass.compile import code_hash, debug, matcher, native_match, rewrite, summary
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.patterns import PATTERNS, AttentionQuantPattern, OpVocabulary, fusion_pass_vocabulary
 
@@ -94,7 +94,8 @@ def _resolve_vocabularies(vocabularies) -> tuple[OpVocabulary, ...]:
 def _other_format(reason: str) -> bool:
     """Whether a refusal only says the attention output is not this entry's format (it feeds another format's
     quant op, or no quant op of this format)."""
-    return reason == "quant_is_another_format" or (reason.startswith("no_") and reason.endswith("_quant_consumer"))
+    return (reason in ("quant_is_another_format", "fp8_native_quant_not_matched")
+            or (reason.startswith("no_") and reason.endswith("_quant_consumer")))
 
 
 class FusionPass(CustomGraphPass):
@@ -130,7 +131,8 @@ class FusionPass(CustomGraphPass):
     def _patterns_for(self, vocab: OpVocabulary):
         """The enabled entries whose attention role and output format ``vocab`` binds."""
         roles = vocab.attention_ops().values()
-        return [p for p in self.patterns if p.role in roles and vocab.quant_form(p.format) is not None]
+        return [p for p in self.patterns if p.role in roles and vocab.quant_form(p.format) is not None
+                and (p.quant != "native" or vocab.writes_native(p.role))]
 
     # -- CustomGraphPass -------------------------------------------------------------------
 
@@ -185,7 +187,7 @@ class FusionPass(CustomGraphPass):
             report.candidates += 1
             match, refusal = None, None
             for entry in (p for p in entries if matcher.applies(node, p, vocab)):
-                found = matcher.examine(node, entry, vocab)
+                found = (native_match.examine if entry.quant == "native" else matcher.examine)(node, entry, vocab)
                 if isinstance(found, matcher.Match):
                     match = found
                     break
@@ -198,7 +200,7 @@ class FusionPass(CustomGraphPass):
                 report.layers.append({"layer": layer, "pattern": match.pattern.name, "outcome": "left", "reason": left})
                 continue
             if match is not None:
-                matcher.rewrite(graph, match, vocab)
+                (native_match.rewrite if match.pattern.quant == "native" else rewrite.rewrite)(graph, match, vocab)
                 if isinstance(layer, str) and layer not in self.rewritten_layers:
                     self.rewritten_layers.append(layer)
                 report.rewritten += 1

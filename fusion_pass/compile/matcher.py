@@ -15,7 +15,8 @@ drives the match: an entry's traced pattern gives its anchors (the wrapped ops
 in order) and the optional output arguments its attention call sets;
 :func:`applies` selects the entries whose first anchor and form a node has.
 :func:`examine` then returns a :class:`Match` or the reason it is refused, and
-:func:`rewrite` applies it. Two forms follow from the anchors:
+:func:`fusion_pass.compile.rewrite.rewrite` applies it. Two forms follow from the anchors (the native form
+of static FP8, with no quant op: :mod:`fusion_pass.compile.native_match`):
 
 * attention -> quant (two anchors): the quant must read the attention output
   through order-keeping views; the pattern's traced replacement is inlined in
@@ -38,7 +39,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.functional_tensor import dispatch_functionalize
 
@@ -262,7 +263,7 @@ def _gemm_reason(quant: Node, form: QuantForm, vocab: OpVocabulary) -> str | Non
     return next((v for v in verdicts if v), None)
 
 
-OPTIONAL_OUTPUT_ARGS = ("output_scale", "output_block_scale")
+OPTIONAL_OUTPUT_ARGS = ("output_scale", "output_block_scale", "output_inv_scale")
 """The attention ops' optional arguments that make them write a quantized output."""
 
 
@@ -368,6 +369,12 @@ def _schema_signature(op) -> list[tuple]:
     return [(a.name, str(a.type), a.alias_info is not None and a.alias_info.is_write) for a in op._schema.arguments]
 
 
+def _takes_the_call(target, op) -> bool:
+    """Whether ``target`` takes ``op``'s arguments as they are: the same ones first, the rest optional."""
+    theirs, ours = _schema_signature(op), _schema_signature(target)
+    return ours[:len(theirs)] == theirs and all(a.has_default_value() for a in target._schema.arguments[len(theirs):])
+
+
 def _examine_quantized(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary) -> Match | str:
     """An attention call another pass already gave the quant's buffers (``output`` packed uint8, ``output_scale``
     the global scale, ``output_block_scale`` the swizzled scales), retargetable to the vocabulary's fused op."""
@@ -375,7 +382,7 @@ def _examine_quantized(attention: Node, pattern: AttentionQuantPattern, vocab: O
     target = vocab.writing_quantized(pattern.role)
     if target is op:
         return "attention_already_quantized"  # it already is this vocabulary's NVFP4-writing call
-    if _schema_signature(target) != _schema_signature(op):
+    if not _takes_the_call(target, op):
         return "fused_op_arguments_differ"
     if mutated_result(attention, "output") is None:
         return "attention_output_unused"
@@ -391,7 +398,7 @@ def _examine_quantized(attention: Node, pattern: AttentionQuantPattern, vocab: O
     return _match(pattern, attention, 2 * packed)
 
 
-# ---------------------------------------------------------------- rewriting
+# ---------------------------------------------------------------- the traced templates (the rewrite: :mod:`.rewrite`)
 
 
 @functools.lru_cache(maxsize=None)
@@ -422,79 +429,3 @@ def anchor_ops(pattern: AttentionQuantPattern, vocab: OpVocabulary) -> tuple:
 
 
 _LAYER_NAME_SLOT = "<layer_name>"
-_PROVENANCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
-
-
-def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
-    """Apply ``match``; returns the attention node that now writes the quantized output.
-
-    attention -> quant: replaced by the attention op writing the quant's buffers
-    (the pattern's traced replacement); the quant's consumers (the GEMM) read the
-    new node's results; the bf16 output, its views and the quant are erased.
-    Already quantized: the call is retargeted to the vocabulary's fused op, its
-    arguments and users unchanged.
-    """
-    attention, quant = match.attention, match.quant
-    if quant is None:
-        attention.args = (vocab.writing_quantized(match.pattern.role), *attention.args[1:])
-        return attention
-    form = vocab.quant_form(match.pattern.format)
-    template = traced_replacement(match.pattern, vocab, match.form)
-    n_inputs = len(match.pattern.inputs)
-    inputs = [attention.kwargs[name] for name in input_names(attention, n_inputs)]
-    placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
-    values = inputs + [buffer_arg(attention, "output"), *(buffer_arg(quant, b) for b in form.buffers),
-                       quant.kwargs[form.scale_input]]
-    env = dict(zip(placeholders, values))
-    assert len(placeholders) == len(values), "replacement signature: inputs, output, the quant's buffers, its scale"
-
-    old_results = [mutated_result(quant, b) for b in form.buffers]
-    with graph.inserting_before(quant):
-        new_results = tuple(graph.graph_copy(template.graph, env))
-    new_attention = new_results[0].args[0]
-    for template_node, node in env.items():  # drop the template's metadata (its own fake mode and shapes)
-        if template_node.op != "placeholder":
-            node.meta.clear()
-            if node.target is operator.getitem and not node.users and node not in new_results:
-                graph.erase_node(node)
-    for name in _passthrough_args(attention, n_inputs):  # layer_name and whatever else the op takes
-        new_attention.update_kwarg(name, attention.kwargs[name])
-    for node in (new_attention, *new_results):  # keep where it came from, for dumps and errors
-        node.meta.update({k: v for k, v in attention.meta.items() if k in _PROVENANCE_META})
-    vals = [old.meta.get("val") if old is not None else None for old in old_results]
-    for new, val in zip(new_results, vals):
-        new.meta["val"] = val
-    new_attention.meta["val"] = (None, *vals)
-    for old, new in zip(old_results, new_results):
-        if old is not None:
-            old.replace_all_uses_with(new)
-    _erase_dead(graph, [quant, *reversed(match.chain), attention])
-    return new_attention
-
-
-_REWRITTEN_ARGS = ("output", "output_scale", "output_block_scale")
-
-
-def _passthrough_args(attention: Node, n_inputs: int) -> list[str]:
-    """Arguments the rewrite keeps as they are: every schema argument but the inputs and the outputs
-    (``layer_name``; in vLLM's ops also ``kv_cache_dummy_dep``, which keeps the KV-cache update alive)."""
-    skip = set(input_names(attention, n_inputs)) | set(_REWRITTEN_ARGS)
-    return [a.name for a in wrapped_op(attention)[0]._schema.arguments
-            if a.name not in skip and a.name in attention.kwargs]
-
-
-def _erase_dead(graph: Graph, roots: list[Node]) -> None:
-    """Erase ``roots`` (with their getitems) and the inputs they leave unused that only they fed."""
-    for root in roots:
-        if getattr(root, "_erased", False):
-            continue
-        for user in list(root.users):
-            if user.target is operator.getitem and not user.users:
-                graph.erase_node(user)
-        if root.users:
-            continue
-        feeders = [n for n in root.all_input_nodes]
-        graph.erase_node(root)
-        for node in feeders:  # the bf16 output buffer and its view, now unused
-            if not node.users and node.op == "call_function" and node.target in layout.VIEW_CHAIN_OPS | {aten.empty.memory_format}:
-                _erase_dead(graph, [node])

@@ -8,7 +8,9 @@ The attention ops (``attention_with_output``, ``mla_attention_with_output``, vLL
   :data:`~fusion_pass.formats.fp8.FP8_STATIC` (an ``output_block_scale`` beside it is refused by the format's
   checks);
 * anything else with ``output_scale``: :data:`~fusion_pass.formats.nvfp4.NVFP4` (``output`` uint8 packed codes,
-  ``output_block_scale`` the swizzled block scales).
+  ``output_block_scale`` the swizzled block scales);
+* ``output_inv_scale`` (this project's argument, not vLLM's): :data:`FP8_STATIC` in the native form of vLLM's
+  ``QuantFP8`` (the graph's reciprocal of the scale, a NaN kept).
 
 Only the dtype of ``output`` and which arguments are given are read (no shape, no value): the op checks the
 buffers against the format afterwards.
@@ -26,10 +28,15 @@ __all__ = ["call_format"]
 
 
 def call_format(output: torch.Tensor, output_scale: torch.Tensor | None,
-                output_block_scale: torch.Tensor | None) -> OutputFormat | None:
+                output_block_scale: torch.Tensor | None,
+                output_inv_scale: torch.Tensor | None = None) -> OutputFormat | None:
     """The format of a call handed these buffers (module docstring); None for the query-dtype form. Any FP8
     ``output`` with ``output_scale`` gives :data:`FP8_STATIC`, with an ``output_block_scale`` too: the ops' checks
-    of that format then refuse the block scale (group scales are not wired to the ops yet), naming it."""
+    of that format then refuse the block scale (group scales are not wired to the ops yet), naming it. An
+    ``output_inv_scale`` (the native form's inverse scale) gives :data:`FP8_STATIC` whatever else is given (the ops'
+    checks refuse the rest)."""
+    if output_inv_scale is not None:
+        return FP8_STATIC
     if output_scale is None:
         return None
     if getattr(output, "dtype", None) == FP8_STATIC.element:

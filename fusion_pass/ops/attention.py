@@ -10,7 +10,10 @@ buffers (:func:`fusion_pass.formats.call_format`):
   ``output_scale``);
 * static per-tensor FP8 (vLLM's convention for a static-FP8 fused attention call): ``output`` float8_e4m3fn
   ``[T, H*Dv]`` (or ``[T, H, Dv]``) contiguous, ``output_scale`` the checkpoint's scale (float32, one element; not
-  its inverse), no ``output_block_scale``.
+  its inverse), no ``output_block_scale``;
+* static per-tensor FP8 in the native form (what vLLM's ``QuantFP8`` compiles to without its custom op: ``x *
+  reciprocal(scale)``, clamped to ±448, a NaN kept as NaN): ``output`` as above, ``output_inv_scale`` the graph's own
+  reciprocal of the scale (float32, one element; multiplied as it is), no ``output_scale`` or ``output_block_scale``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.nvfp4.checks import check_global_scale
 from fusion_pass.ops.library import dense, fake, impl
 from fusion_pass.ops.quant import QUANT_INPUT_DTYPES
-from fusion_pass.runtime import counters
+from fusion_pass.runtime import counters, fp8_rows
 from fusion_pass.runtime.engine import attention_call
 from fusion_pass.runtime.engine.registry import UnknownLayerError
 
@@ -94,7 +97,8 @@ def _check_nvfp4_buffers(
 
 
 def _check_fp8_static_buffers(op: str, t: int, num_heads: int, v_head_dim: int, device: torch.device, output,
-                              output_scale, output_block_scale) -> None:
+                              output_scale, output_block_scale, *,
+                              scale_name: str = "output_scale (the static FP8 scale, not its inverse)") -> None:
     """The static FP8 output contract of the attention ops (:data:`fusion_pass.formats.FP8_STATIC`), checked before
     any attention is computed. The scale's value is not read (a scale of 0 has the format's meaning)."""
     if output_block_scale is not None:
@@ -112,11 +116,29 @@ def _check_fp8_static_buffers(op: str, t: int, num_heads: int, v_head_dim: int, 
             + ("" if output.is_contiguous() else f" (not contiguous: strides {list(output.stride())})"))
     if output.device != device:
         raise ArgumentError(f"{op}: output must be on the query's device {device}, got {output.device}")
-    check_scale(op, output_scale, device, name="output_scale (the static FP8 scale, not its inverse)")
+    check_scale(op, output_scale, device, name=scale_name)
+
+
+def _check_fp8_native_buffers(op: str, t: int, num_heads: int, v_head_dim: int, q: Tensor, output, output_scale,
+                              output_block_scale, output_inv_scale) -> None:
+    """The native-form static FP8 contract (``output_inv_scale`` given): no ``output_scale`` or
+    ``output_block_scale`` beside it, then the static FP8 buffers with the inverse scale in the scale's place."""
+    for name, value in (("output_scale", output_scale), ("output_block_scale", output_block_scale)):
+        if value is not None:
+            raise ArgumentError(f"{op}: {name} must be None with output_inv_scale (static FP8 in the native form: "
+                                f"the inverse scale alone), got {type(value).__name__}")
+    if not isinstance(output, Tensor) or output.dtype != formats.FP8_STATIC.element:
+        got = getattr(output, "dtype", type(output).__name__)
+        raise ArgumentError(f"{op}: output must be float8_e4m3fn with output_inv_scale (static FP8 in the native "
+                            f"form), got {got}")
+    if q.dtype not in QUANT_INPUT_DTYPES:
+        raise ArgumentError(f"{op}: FP8_STATIC output needs q of float16, bfloat16 or float32, got {q.dtype}")
+    _check_fp8_static_buffers(op, t, num_heads, v_head_dim, q.device, output, output_inv_scale, None,
+                              scale_name="output_inv_scale (the graph's reciprocal of the static FP8 scale)")
 
 
 def check_attention_call(op: str, impl, spec, q: Tensor, inputs: tuple, output, output_scale, output_block_scale,
-                         output_format: formats.OutputFormat | None = None):
+                         output_format: formats.OutputFormat | None = None, output_inv_scale=None):
     """Every argument of an attention op call, before attention runs or any cache is touched.
 
     The inputs against the layer and the batch (shapes, dtypes, devices, each
@@ -130,6 +152,10 @@ def check_attention_call(op: str, impl, spec, q: Tensor, inputs: tuple, output, 
     except ValueError as exc:
         raise ArgumentError(f"{op}: {exc}") from None
     t = spec.num_tokens
+    if output_inv_scale is not None:
+        _check_fp8_native_buffers(op, t, impl.num_heads, impl.v_head_dim, q, output, output_scale,
+                                  output_block_scale, output_inv_scale)
+        return
     if output_scale is None:
         if output_block_scale is not None:
             raise ArgumentError(f"{op}: output_block_scale was given without output_scale (the global scale)")
@@ -170,37 +196,47 @@ def _layer(op: str, layer_name):
         raise UnknownLayerError(f"{op}: layer_name: {exc}") from None
 
 
-def _run(op: str, q: Tensor, inputs: tuple, output, layer_name, output_scale, output_block_scale) -> None:
+def _run(op: str, q: Tensor, inputs: tuple, output, layer_name, output_scale, output_block_scale,
+         output_inv_scale) -> None:
     """One attention op call: the layer and the batch from the run time, every argument checked
     (:func:`check_attention_call`) before anything runs or any cache is touched, then the run time's call,
-    whose guard decision is counted under ``layer_name``."""
+    whose guard decision is counted under ``layer_name``. A native-form static FP8 call runs as a static FP8 call
+    whose scale is the given inverse, quantized by the native form's rule (:data:`fusion_pass.runtime.fp8_rows.NATIVE_FORM`)."""
     impl_ = _layer(op, layer_name)
     spec = runtime.current_batch()
-    output_format = formats.call_format(output, output_scale, output_block_scale)
-    check_attention_call(op, impl_, spec, q, inputs, output, output_scale, output_block_scale, output_format)
+    output_format = formats.call_format(output, output_scale, output_block_scale, output_inv_scale)
+    check_attention_call(op, impl_, spec, q, inputs, output, output_scale, output_block_scale, output_format,
+                         output_inv_scale)
+    if output_inv_scale is not None:
+        attention_call.run(impl_, inputs, spec, output, output_inv_scale, None, layer_name=layer_name,
+                           output_format=output_format, fp8_quant=fp8_rows.NATIVE_FORM)
+        return
     attention_call.run(impl_, inputs, spec, output, output_scale, output_block_scale, layer_name=layer_name,
                        output_format=output_format)
 
 
 @impl("attention_with_output")
-def _attention_with_output(q, k, v, output, layer_name, output_scale=None, output_block_scale=None):
-    _run("attention_with_output", q, (q, k, v), output, layer_name, output_scale, output_block_scale)
+def _attention_with_output(q, k, v, output, layer_name, output_scale=None, output_block_scale=None,
+                           output_inv_scale=None):
+    _run("attention_with_output", q, (q, k, v), output, layer_name, output_scale, output_block_scale,
+         output_inv_scale)
 
 
 @impl("mla_attention_with_output")
-def _mla_attention_with_output(q, kv_c_normed, k_pe, output, layer_name, output_scale=None, output_block_scale=None):
-    _run(
-        "mla_attention_with_output", q, (q, kv_c_normed, k_pe), output, layer_name, output_scale, output_block_scale
-    )
+def _mla_attention_with_output(q, kv_c_normed, k_pe, output, layer_name, output_scale=None, output_block_scale=None,
+                               output_inv_scale=None):
+    _run("mla_attention_with_output", q, (q, kv_c_normed, k_pe), output, layer_name, output_scale,
+         output_block_scale, output_inv_scale)
 
 
 @fake("attention_with_output")
-def _attention_with_output_fake(q, k, v, output, layer_name, output_scale=None, output_block_scale=None) -> None:
+def _attention_with_output_fake(q, k, v, output, layer_name, output_scale=None, output_block_scale=None,
+                                output_inv_scale=None) -> None:
     return None
 
 
 @fake("mla_attention_with_output")
 def _mla_attention_with_output_fake(
-    q, kv_c_normed, k_pe, output, layer_name, output_scale=None, output_block_scale=None
+    q, kv_c_normed, k_pe, output, layer_name, output_scale=None, output_block_scale=None, output_inv_scale=None
 ) -> None:
     return None

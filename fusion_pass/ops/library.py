@@ -38,11 +38,12 @@ SCHEMAS = {
     ),
     "attention_with_output": (
         "attention_with_output(Tensor q, Tensor k, Tensor v, Tensor(a!) output, str layer_name, "
-        "Tensor? output_scale=None, Tensor(b!)? output_block_scale=None) -> ()"
+        "Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, Tensor? output_inv_scale=None) -> ()"
     ),
     "mla_attention_with_output": (
         "mla_attention_with_output(Tensor q, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) output, "
-        "str layer_name, Tensor? output_scale=None, Tensor(b!)? output_block_scale=None) -> ()"
+        "str layer_name, Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, "
+        "Tensor? output_inv_scale=None) -> ()"
     ),
 }
 

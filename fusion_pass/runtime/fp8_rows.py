@@ -17,14 +17,16 @@ rows after":
   unfused graph computes it, rounded to the query dtype and quantized into its own rows
   (:func:`post_quantize_rows_fp8_static`);
 
-The unfused bytes are vLLM's ``static_scaled_fp8_quant`` of the query-dtype attention:
-:func:`fusion_pass.fp8.quantize_static` under :func:`fusion_pass.fp8.reciprocal` of the scale, a NaN +448 (``0x7E``,
-:attr:`fusion_pass.fp8.NaNRule.POSITIVE_MAX`); the fused rows are the same quantizer applied to the kernel's own
-float32 output, in the same NaN rule.
+The unfused bytes are those of the graph's quant, in one of two forms (:class:`StaticQuant`): the op form
+(:data:`OP_FORM`, vLLM's ``static_scaled_fp8_quant`` of the query-dtype attention: :func:`fusion_pass.fp8.quantize_static`
+under :func:`fusion_pass.fp8.reciprocal` of the scale, a NaN +448, ``0x7E``) or the native form (:data:`NATIVE_FORM`,
+vLLM's ``QuantFP8`` compiled from aten ops: the graph's own reciprocal multiplied as it is, a NaN kept, ``0x7F``); the
+fused rows are the same quantizer applied to the kernel's own float32 output, in the same form.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,10 +38,35 @@ from fusion_pass.runtime.backends.base import fused_prefills
 from fusion_pass.runtime.row_plan import ContextRows, check_prefills, write_prefills
 from fusion_pass.runtime.settings import check_token_count, context_workspace_tokens
 
-__all__ = ["FP8StaticRows", "NAN_RULE", "post_quantize_rows_fp8_static", "run_prefills_fp8_static"]
+__all__ = ["FP8StaticRows", "NAN_RULE", "NATIVE_FORM", "OP_FORM", "StaticQuant", "post_quantize_rows_fp8_static",
+           "run_prefills_fp8_static"]
 
 NAN_RULE = fp8.NaNRule.POSITIVE_MAX
 """What a NaN becomes in the op form's bytes: +448 (``0x7E``), vLLM's ``static_scaled_fp8_quant``."""
+
+
+@dataclass(frozen=True)
+class StaticQuant:
+    """How a static FP8 call turns float values into codes: ``scale_is_inverse`` (the call's scale tensor is the
+    inverse to multiply by, else the scale, whose IEEE reciprocal is taken on the device) and ``nan`` (what a NaN
+    becomes)."""
+
+    name: str
+    scale_is_inverse: bool
+    nan: fp8.NaNRule
+
+    def inverse(self, scale: Tensor) -> Tensor:
+        """The float32 ``[1]`` factor the codes are ``clamp(x * factor)`` of."""
+        return scale if self.scale_is_inverse else fp8.reciprocal(scale)
+
+
+OP_FORM = StaticQuant("op", False, NAN_RULE)
+"""vLLM's ``static_scaled_fp8_quant``: the checkpoint's scale, its IEEE reciprocal, a NaN +448."""
+
+NATIVE_FORM = StaticQuant("native", True, fp8.NaNRule.NAN)
+"""vLLM's ``QuantFP8`` compiled from aten ops (``custom_ops="none"``): the graph's reciprocal of the scale (Inductor
+computes it; on CUDA its division is Triton's approximate one, so the fused call multiplies by that value rather than
+computing its own), a NaN kept (``0x7F``)."""
 
 
 def _rows2d(output: Tensor, t: int) -> Tensor:
@@ -48,24 +75,28 @@ def _rows2d(output: Tensor, t: int) -> Tensor:
     return output.view(torch.uint8).view(t, -1)
 
 
-def post_quantize_rows_fp8_static(rows: Tensor, scale: Tensor, output: Tensor, row_start: int, t: int) -> None:
+def post_quantize_rows_fp8_static(rows: Tensor, scale: Tensor, output: Tensor, row_start: int, t: int,
+                                  quant: StaticQuant = OP_FORM) -> None:
     """Quantize ``rows [M, ...]`` (the query-dtype attention of ``M`` tokens; ``H*Dv`` elements per row) into rows
     ``[row_start, row_start + M)`` of the ``T``-row FP8 ``output``, touching no other row: the bytes of vLLM's
-    ``static_scaled_fp8_quant(result, rows, scale)``. No device value is read back."""
-    q8 = fp8.quantize_static(rows.reshape(rows.shape[0], -1), fp8.reciprocal(scale), nan=NAN_RULE)
+    ``static_scaled_fp8_quant(result, rows, scale)`` (``quant`` the op form) or of its native form (``scale`` then the
+    graph's inverse). No device value is read back."""
+    q8 = fp8.quantize_static(rows.reshape(rows.shape[0], -1), quant.inverse(scale), nan=quant.nan)
     _rows2d(output, t)[row_start:row_start + rows.shape[0]] = q8.view(torch.uint8)
 
 
 class FP8StaticRows:
     """:class:`~fusion_pass.runtime.row_plan.RowWriter` of static per-tensor FP8: ``output`` float8_e4m3fn (``T *
-    H*Dv`` elements, contiguous), ``scale`` float32 ``[1]`` (the checkpoint's); a backend writes the prefills
+    H*Dv`` elements, contiguous), ``scale`` float32 ``[1]`` (the checkpoint's, or the graph's inverse under
+    :data:`NATIVE_FORM`); a backend writes the prefills
     :func:`~fusion_pass.runtime.backends.base.fused_prefills` says (no merge: with context, only within the
-    workspace bound) by ``run_varlen_fp8_static``; other rows :func:`post_quantize_rows_fp8_static`."""
+    workspace bound) by ``run_varlen_fp8_static``; other rows :func:`post_quantize_rows_fp8_static`; both in the
+    arithmetic of ``quant``."""
 
     merge = None  # no FP8 merge of context chunks
 
-    def __init__(self, output: Tensor, scale: Tensor, t: int) -> None:
-        self.output, self.scale, self.t = output, scale, t
+    def __init__(self, output: Tensor, scale: Tensor, t: int, quant: StaticQuant = OP_FORM) -> None:
+        self.output, self.scale, self.t, self.quant = output, scale, t, quant
 
     def fused(self, backend: Any, context_lens: list[int]) -> list[bool]:
         return fused_prefills(backend, FP8_STATIC, context_lens, context_workspace_tokens)
@@ -73,22 +104,25 @@ class FP8StaticRows:
     def varlen(self, backend, q, k, v, cu_q, max_q, softmax_scale, cu_k, max_k) -> None:
         backend.run_varlen_fp8_static(q, k, v, cu_q, max_q, softmax_scale,
                                       self.output.view(fp8.FP8).view(self.t, -1), self.scale, cu_seqlens_k=cu_k,
-                                      max_seqlen_k=max_k, nan=NAN_RULE)
+                                      max_seqlen_k=max_k, scale_is_inverse=self.quant.scale_is_inverse,
+                                      nan=self.quant.nan)
 
     def rows(self, x: Tensor, row_start: int) -> None:
-        post_quantize_rows_fp8_static(x, self.scale, self.output, row_start, self.t)
+        post_quantize_rows_fp8_static(x, self.scale, self.output, row_start, self.t, self.quant)
 
     def everything(self, x: Tensor) -> None:
-        post_quantize_rows_fp8_static(x, self.scale, self.output, 0, self.t)
+        post_quantize_rows_fp8_static(x, self.scale, self.output, 0, self.t, self.quant)
 
 
 def run_prefills_fp8_static(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: int, query_lens: list[int],
                             context_lens: list[int], context: ContextRows | None, softmax_scale: float,
-                            output: Tensor, scale: Tensor, workspace_tokens: int | None = None) -> None:
+                            output: Tensor, scale: Tensor, workspace_tokens: int | None = None,
+                            quant: StaticQuant = OP_FORM) -> None:
     """The backend's fused static-FP8 attention of a run of prefills, some with cached context, at their rows.
 
     Args as :func:`fusion_pass.runtime.row_plan.run_prefills`, with ``output`` float8_e4m3fn (``T * H*Dv``
-    elements, contiguous) and ``scale`` float32 ``[1]`` (the checkpoint's) in place of the NVFP4 buffers. The
+    elements, contiguous) and ``scale`` float32 ``[1]`` (the checkpoint's; the graph's inverse under ``quant`` =
+    :data:`NATIVE_FORM`) in place of the NVFP4 buffers. The
     prefills' cached context must fit the workspace bound (``workspace_tokens``, default
     :func:`context_workspace_tokens`): one ``backend.run_varlen_fp8_static`` call over keys that are, per request,
     its context then its new tokens. A context beyond the bound raises ValueError (no FP8 merge of context chunks
@@ -107,4 +141,4 @@ def run_prefills_fp8_static(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, fi
                          f"context workspace bound of {bound} tokens: {FP8_STATIC.name} has no merge of context "
                          f"chunks (the guard post-quantizes such prefills)")
     write_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale,
-                  FP8StaticRows(output, scale, q.shape[0]), bound)
+                  FP8StaticRows(output, scale, q.shape[0], quant), bound)

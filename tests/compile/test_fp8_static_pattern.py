@@ -184,25 +184,3 @@ def test_refusals(make_block, form, case, reason):
     assert fp.report()["rewritten"] == 0
     assert fp.report()["refused"] == {reason: 1}
     assert [n for n in rec.after[0].nodes if wrapped(n) is FP8_QUANT], "the quant stays"
-
-
-@pytest.mark.parametrize("to_fp8", [True, False], ids=["to_fp8", "to_bf16"])
-def test_the_native_form_is_refused_by_its_own_name(make_block, form, to_fp8):
-    """vLLM's default build of QuantFP8 (no quant op: float32, times the scale's reciprocal, clamp, float8) is named
-    ``fp8_native_quant_not_matched``; the same elementwise chain ending in another dtype is not."""
-    block = make_block("gqa")
-
-    def f(a, b, c, x_scale):
-        out = block.attn(a, b, c)
-        x = (out.to(torch.float32) * x_scale.reciprocal()).clamp(-448.0, 448.0)
-        if not to_fp8:
-            return x.to(torch.bfloat16)
-        return aten._scaled_mm(x.to(torch.float8_e4m3fn), block.w.t(), x_scale, block.w_scale,
-                               out_dtype=torch.bfloat16)
-
-    fp = FusionPass()
-    spec = BatchSpec.from_lens([5, 3])
-    run_compiled(compile_with(f, Recorder(fp)), spec, *block.inputs(spec, 0), block.x_scale)
-    assert fp.report()["rewritten"] == 0
-    assert fp.report()["refused"] == ({"fp8_native_quant_not_matched": 1} if to_fp8 else
-                                      {"no_nvfp4_quant_consumer": 1})

@@ -121,7 +121,7 @@ def _expected_fused(query_lens, context_lens, bound):
     return [q > 1 and (c == 0 or total <= bound) for q, c in zip(query_lens, context_lens)]
 
 
-def _run_schedule(monkeypatch, kind, dtype, kernel, bound, steps, seed):
+def _run_schedule(monkeypatch, kind, dtype, kernel, bound, steps, seed, form="op"):
     impl, twin, op, make = _layers(kind, dtype)
     name = f"test_fp8_static_call.{kind}"
     runtime.register_layer(name, impl)
@@ -134,6 +134,9 @@ def _run_schedule(monkeypatch, kind, dtype, kernel, bound, steps, seed):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     scale = torch.tensor([rng.choice([0.002, 0.0011, 0.01])])
     inv = fp8.reciprocal(scale)
+    nan = fp8.NaNRule.POSITIVE_MAX
+    if form == "native":  # the graph's reciprocal, one unit off the IEEE quotient: a writer computing its own fails
+        inv, nan = torch.nextafter(inv, torch.tensor([float("inf")])), fp8.NaNRule.NAN
     fused_steps = 0
     try:
         with settings.use_context_workspace_tokens(bound):
@@ -147,17 +150,20 @@ def _run_schedule(monkeypatch, kind, dtype, kernel, bound, steps, seed):
                 before = counters.counters(output_format="fp8_static")
                 calls = len(spy.calls)
                 with runtime.batch(spec):
-                    op(*inputs, output, name, scale)
+                    if form == "native":
+                        op(*inputs, output, name, output_inv_scale=inv)
+                    else:
+                        op(*inputs, output, name, scale)
                 got = output.view(torch.uint8)
                 fused = _expected_fused(query_lens, context_lens, bound)
                 rows = [f for f, q in zip(fused, query_lens) for _ in range(q)]
-                want = fp8.quantize_static(attn32.to(dtype), inv).view(torch.uint8)
+                want = fp8.quantize_static(attn32.to(dtype), inv, nan=nan).view(torch.uint8)
                 if any(fused):
                     fused_steps += 1
                     assert len(spy.calls) == calls + 1, f"one fused launch per call ({where})"
                     own, span = spy.own_attention(kernel)  # over every prefill row: the unfused ones are rewritten
                     mask = torch.tensor(rows)
-                    own_bytes = fp8.quantize_static(own, inv).view(torch.uint8)
+                    own_bytes = fp8.quantize_static(own, inv, nan=nan).view(torch.uint8)
                     want[span][mask[span]] = own_bytes[mask[span]]
                     bound32 = fp8.static_error_bound(attn32, scale) + (
                         2 ** -12 * attn32.abs() if kernel == "reference" else 0.03 * attn32.abs().amax())
@@ -200,6 +206,20 @@ def test_reference_backend_writes_every_row_of_generated_schedules(monkeypatch, 
     exists), so their rows are post-quantized and counted as ``chunked_prefill``."""
     seed = random.randrange(1 << 30)
     assert _run_schedule(monkeypatch, kind, dtype, "reference", bound, steps=8, seed=seed) > 0, f"seed {seed}"
+
+
+@pytest.mark.parametrize("kind", ["mla", "gqa"])
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_the_native_form_multiplies_by_the_given_inverse_in_every_row(monkeypatch, kind, kernel):
+    """``output_inv_scale`` (vLLM's QuantFP8 compiled from aten ops): fused and unfused rows multiply by the given
+    inverse as it is (one unit off the IEEE reciprocal here) and keep the native form's NaN rule."""
+    if kernel == "triton" and not (torch.cuda.is_available() or kernels.interpreter_enabled()):
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not set (conftest.py sets it on CPU-only machines)")
+    if kernel == "triton" and torch.cuda.is_available():
+        pytest.skip("the runtime's CPU layers (a CUDA run is tests/kernels')")
+    seed = random.randrange(1 << 30)
+    assert _run_schedule(monkeypatch, kind, torch.bfloat16, kernel, 1 << 16, steps=4, seed=seed, form="native") > 0, \
+        f"seed {seed}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and not kernels.interpreter_enabled(),
@@ -353,3 +373,56 @@ def test_a_width_nvfp4_cannot_write_is_fused_in_fp8_static(monkeypatch, backend)
 def test_counters_refuse_an_unknown_format_naming_the_known_ones(bad, message):
     with pytest.raises(ValueError, match=message):
         counters.counters(output_format=bad)
+
+
+def test_the_native_form_keeps_a_nan_in_fused_and_unfused_rows():
+    """A NaN in a prefill's value and in a decode row's query, native form: NaN (0x7F) in every row that sees it,
+    fused (the prefill) or not (the decode row), as Inductor's compiled clamp and cast give it."""
+    impl, twin, op, make = _layers("gqa", torch.bfloat16)
+    name = "test_fp8_static_call.native_nan"
+    runtime.register_layer(name, impl)
+    gen = torch.Generator().manual_seed(7)
+    width = impl.num_heads * impl.v_head_dim
+    inv = torch.tensor([1 / 0.0009])
+    first, spec = runtime.BatchSpec.from_lens([6]), runtime.BatchSpec.from_lens([1, 8], [6, 0], ["r0", "n1"])
+    x0, x1 = make(first.num_tokens, gen), make(spec.num_tokens, gen)
+    x1[2][1 + 4, 0, 3] = float("nan")
+    x1[0][0, 1, 2] = float("nan")
+    try:
+        for s, x in ((first, x0), (spec, x1)):
+            out = torch.empty(s.num_tokens, width, dtype=FP8)
+            with runtime.batch(s):
+                op(*x, out, name, output_inv_scale=inv)
+    finally:
+        runtime.unregister_layer(name)
+    got = out.view(torch.uint8)
+    twin.forward(*x0, first)
+    attn = twin.forward(*x1, spec).reshape(spec.num_tokens, width)
+    nan = fp8.NaNRule.NAN
+    assert torch.equal(got[0], fp8.quantize_static(attn[0].bfloat16(), inv, nan=nan).view(torch.uint8))
+    assert torch.equal(got[1:], fp8.quantize_static(attn[1:], inv, nan=nan).view(torch.uint8))
+    assert bool((got[0, 16:32] == 0x7F).all()) and bool((got[5:, [3, 19]] == 0x7F).all())
+    assert counters.counters(output_format="fp8_static")["fused_by_backend"] == {"reference": 2}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(output_scale=torch.tensor([0.01])), "output_scale must be None with output_inv_scale"),
+    (dict(output_block_scale=torch.zeros(128, 4, dtype=torch.int32)), "output_block_scale must be None"),
+    (dict(output=torch.empty(5, 16, dtype=torch.uint8)), "output must be float8_e4m3fn with output_inv_scale"),
+    (dict(output_inv_scale=torch.tensor([1.0, 2.0])), "output_inv_scale"),
+    (dict(output_inv_scale=torch.tensor([3], dtype=torch.int32)), "output_inv_scale"),
+])
+def test_a_native_form_call_with_wrong_buffers_is_refused_before_anything_runs(change, message):
+    impl, _, op, make = _layers("gqa", torch.bfloat16)
+    name = "test_fp8_static_call.native_args"
+    runtime.register_layer(name, impl)
+    spec = runtime.BatchSpec.from_lens([5])
+    args = dict(output=torch.full((5, impl.num_heads * impl.v_head_dim), POISON, dtype=torch.uint8).view(FP8),
+                output_inv_scale=torch.tensor([100.0]))
+    args.update(change)
+    try:
+        with runtime.batch(spec), pytest.raises(ValueError, match=message):
+            op(*make(5, torch.Generator().manual_seed(1)), args.pop("output"), name, **args)
+    finally:
+        runtime.unregister_layer(name)
+    assert counters.counters()["fused"] == 0 and not counters.counters()["fallback"]

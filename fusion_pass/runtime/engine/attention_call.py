@@ -40,10 +40,10 @@ def layer_shape(impl, q: Tensor, inputs: tuple = ()) -> guard.LayerShape:
 
 
 def _writer(output_format: formats.OutputFormat, output: Tensor, output_scale: Tensor, output_block_scale,
-            t: int) -> row_plan.RowWriter:
+            t: int, fp8_quant: fp8_rows.StaticQuant) -> row_plan.RowWriter:
     """The call's buffers as its format's :class:`~fusion_pass.runtime.row_plan.RowWriter` (``T`` rows)."""
     if output_format is formats.FP8_STATIC:
-        return fp8_rows.FP8StaticRows(output, output_scale, t)
+        return fp8_rows.FP8StaticRows(output, output_scale, t, fp8_quant)
     return row_plan.NVFP4Rows(output, output_scale, output_block_scale, t)
 
 
@@ -106,7 +106,8 @@ def _run_one_call(backend, impl, inputs: tuple, spec, output: Tensor, output_sca
 
 
 def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, layer_name: str | None = None,
-        output_format: formats.OutputFormat | None = None) -> None:
+        output_format: formats.OutputFormat | None = None,
+        fp8_quant: fp8_rows.StaticQuant = fp8_rows.OP_FORM) -> None:
     """One attention call of ``impl`` (an MLA or standard runtime) on ``inputs`` for the batch ``spec``.
 
     Without ``output_scale``: attention in the query dtype, not guarded (:func:`_attention`). With it (a quantized
@@ -121,6 +122,8 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, 
     (``impl.cache.transaction()``). ``output_format``: the format the buffers say
     (:func:`fusion_pass.formats.call_format`, read here when not given): the guard decides for it and its
     :class:`~fusion_pass.runtime.row_plan.RowWriter` (:func:`_writer`) writes the rows, fused or not.
+    ``fp8_quant``: a static FP8 call's arithmetic (:class:`fusion_pass.runtime.fp8_rows.StaticQuant`: the op form,
+    ``output_scale`` the scale; the native form, ``output_scale`` the graph's inverse).
     """
     q = inputs[0]
     settings.check_environment()
@@ -130,7 +133,7 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, 
             output.view(out.shape).copy_(out)
         return
     output_format = output_format or formats.call_format(output, output_scale, output_block_scale)
-    writer = _writer(output_format, output, output_scale, output_block_scale, spec.num_tokens)
+    writer = _writer(output_format, output, output_scale, output_block_scale, spec.num_tokens, fp8_quant)
     decision = guard.decide(guard.BatchRows.from_spec(spec), layer_shape(impl, q, inputs),
                             one_call_refusal=_one_call_refusal(impl, inputs, spec), output_format=output_format)
     with impl.cache.transaction():
