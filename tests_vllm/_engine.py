@@ -87,13 +87,14 @@ are None for a static FP8 call, whose only buffer is its codes)."""
     import torch
 
     from fusion_pass import formats
+    from fusion_pass.runtime import fp8_rows
     from fusion_pass.vllm.runtime import attention_op, fused_rows, guard
 
     run_fused = fused_rows.run_fused  # attention_op._run calls fused_rows.run_fused
 
     def run_fused_and_unfused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
-                              extra=None):
-        run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra)
+                              extra=None, fp8_quant=fp8_rows.OP_FORM):
+        run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra, fp8_quant)
         packed = output.clone()
         scales = output_block_scale.clone() if output_block_scale is not None else None  # None: static FP8
         if guard.is_mla(layer):
@@ -101,7 +102,7 @@ are None for a static FP8 call, whose only buffer is its codes)."""
         else:
             op, heads = torch.ops.vllm.unified_attention_with_output, inputs[0].shape[1]
         attention_op._run_unfused(op, inputs, packed, layer.layer_name, output_scale, scales, (), heads, None,
-                                  formats.by_name(decision.format))
+                                  formats.by_name(decision.format), fp8_quant)
         shadows.append((output.clone(), None if scales is None else output_block_scale.clone(), packed, scales))
 
     fused_rows.run_fused = run_fused_and_unfused

@@ -4,7 +4,9 @@ Its o_proj quantizes its input with the static FP8 quant op the pass's vLLM voca
 ``_C::static_scaled_fp8_quant`` where the build defines it, else ``fusion_pass::static_scaled_fp8_quant``, same schema:
 ``(result, input, scale)``; vLLM's CPU build has only the latter) into a ``[T, K]`` float8_e4m3fn buffer and multiplies
 with ``torch._scaled_mm`` (``scale_a`` the static scale), as vLLM's ``PerTensorTorchFP8ScaledMMLinearKernel`` does, so
-that a real ``vllm.LLM`` on CPU has attention -> static FP8 quant -> FP8 GEMM in its compiled graph. Weights are
+that a real ``vllm.LLM`` on CPU has attention -> static FP8 quant -> FP8 GEMM in its compiled graph. With ``"native":
+true`` in the quantization config the o_proj quantizes with vLLM's own ``QuantFP8(static=True, GroupShape.PER_TENSOR)``
+instead, whose default compile (``custom_ops="none"``; on CPU always) is the native form: aten ops, no quant op. Weights are
 created in bf16 (vLLM's dummy loader fills floating-point parameters only) and quantized per tensor after loading;
 the activation scale is fixed (:data:`ACT_SCALE`).
 
@@ -31,9 +33,9 @@ ACT_SCALE = 0.05 / FP8_MAX  # the attention output of the tiny models (unit norm
 
 @register_quantization_config(NAME)
 class TestFp8Config(QuantizationConfig):
-    def __init__(self, targets=("o_proj",)):
+    def __init__(self, targets=("o_proj",), native=False):
         super().__init__()
-        self.targets = tuple(targets)
+        self.targets, self.native = tuple(targets), bool(native)
 
     def get_name(self):
         return NAME
@@ -51,19 +53,25 @@ class TestFp8Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]):
-        return cls(config.get("targets", ["o_proj"]))
+        return cls(config.get("targets", ["o_proj"]), config.get("native", False))
 
     def get_quant_method(self, layer, prefix):
         if isinstance(layer, LinearBase):
             if prefix.split(".")[-1] in self.targets:
-                return TestFp8LinearMethod()
+                return TestFp8LinearMethod(self.native)
             return UnquantizedLinearMethod()
         return None
 
 
 class TestFp8LinearMethod(LinearMethodBase):
     """``y = _scaled_mm(fp8(x / ACT_SCALE), W_fp8^T, ACT_SCALE, w_scale)``: weight ``[N, K]`` quantized per tensor
-    (``w_scale = max |W| / 448``), stored as its ``[K, N]`` column-major transpose (what ``_scaled_mm`` takes)."""
+    (``w_scale = max |W| / 448``), stored as its ``[K, N]`` column-major transpose (what ``_scaled_mm`` takes).
+    ``native``: ``fp8(x / ACT_SCALE)`` by vLLM's ``QuantFP8`` (module docstring) rather than the quant op."""
+
+    def __init__(self, native=False):
+        super().__init__()
+        self.native = native
+        self.quant_fp8 = None
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
                        output_size, params_dtype, **extra_weight_attrs):
@@ -73,6 +81,11 @@ class TestFp8LinearMethod(LinearMethodBase):
                                  input_dim=1, output_dim=0, weight_loader=weight_loader)
         layer.register_parameter("weight", w)
         set_weight_attrs(w, extra_weight_attrs)
+        if self.native:
+            from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+            from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+            self.quant_fp8 = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
 
     def process_weights_after_loading(self, layer):
         w = layer.weight.data.float()
@@ -86,8 +99,11 @@ class TestFp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer, x, bias=None):
         x2 = x.reshape(-1, x.shape[-1])
-        a = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        self.quant(a, x2, layer.input_scale)
+        if self.quant_fp8 is not None:
+            a, _ = self.quant_fp8(x2, layer.input_scale)
+        else:
+            a = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+            self.quant(a, x2, layer.input_scale)
         out = torch._scaled_mm(a, layer.weight_fp8, scale_a=layer.input_scale, scale_b=layer.weight_scale,
                                out_dtype=x.dtype)
         out = out.view(*x.shape[:-1], out.shape[-1])

@@ -339,7 +339,7 @@ import vllm.model_executor.layers.attention  # noqa: F401
 from fusion_pass.vllm.runtime import attention_op
 attention_op.register()
 print("ARGS", [a.name for a in torch.ops.fusion_pass.vllm_mla_attention_nvfp4.default._schema.arguments])
-print("TYPE", str(torch.ops.fusion_pass.vllm_mla_attention_nvfp4.default._schema.arguments[-1].type))
+print("TYPE", str(torch.ops.fusion_pass.vllm_mla_attention_nvfp4.default._schema.arguments[-2].type))
 """
 
 
@@ -350,5 +350,5 @@ def test_on_0_34_the_fused_mla_op_takes_mqa_q_prepared_as_vllms_op_does():
     proc = subprocess.run([sys.executable, "-c", MLA_034_SCHEMA_PROBE], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     args = eval(proc.stdout.split("ARGS ", 1)[1].splitlines()[0])
-    assert args[-2:] == ["q_dcp_replicated", "mqa_q_prepared"] and len(args) == 14
-    assert "TYPE Optional[Tensor]" in proc.stdout
+    assert args[-3:] == ["q_dcp_replicated", "mqa_q_prepared", "output_inv_scale"] and len(args) == 15
+    assert "TYPE Optional[Tensor]" in proc.stdout  # mqa_q_prepared; output_inv_scale is the project's own, last

@@ -6,7 +6,9 @@ What is checked: the pass's report (every attention layer's attention -> quant -
 ``*_fp8_static_quant`` entries), the run-time counters under the format's keys (``"reference (fp8_static)"``, every
 prefill token fused; decode-only calls post-quantized, ``"decode_tokens (fp8_static)"``), every fused call's codes
 against the exact fallback on the same inputs (the shadows: decode rows byte-equal, fused prefill rows within the
-FP8 bound), and greedy tokens equal to the run without the pass (up to an exact tie, as test_vllm_engine.py).
+FP8 bound), and greedy tokens equal to the run without the pass (up to an exact tie, as test_vllm_engine.py). The
+``*_native`` configurations quantize with vLLM's own ``QuantFP8`` (its native form: no quant op in the graph),
+rewritten by the ``*_fp8_static_native`` entries; their fused calls carry the graph's reciprocal (``output_inv_scale``).
 
 The GQA model runs with ``FUSION_PASS_VLLM_SPLIT_MIXED=on``: the one fused launch over the paged cache writes NVFP4
 only, so a mixed (decode + prefill) FP8 call is split: its prefill rows fused, its decode rows computed by vLLM's
@@ -24,6 +26,7 @@ from test_vllm_engine import CHUNKED, CPU_MLA, check_tokens
 from tiny_models import QWEN2
 
 FP8_QUANT = {"quant_method": NAME}
+NATIVE = {"quant_method": NAME, "native": True}  # vLLM's QuantFP8: the native form in the graph
 IMPORTS = "nvfp4_test_quant,fp8_test_quant"
 SCALE = torch.tensor([ACT_SCALE])
 
@@ -38,7 +41,10 @@ CONFIGS = {
         {"kind": "chunked", "prompts": [list(range(3, 10)), list(range(10, 80)), list(range(200, 205))],
          "max_tokens": [6, 2, 8]}]),
 }
-PATTERN = {"dsv3": "mla_attention_fp8_static_quant", "qwen2": "attention_fp8_static_quant"}
+CONFIGS["dsv3_native"] = ({**CONFIGS["dsv3"][0], "quantization_config": NATIVE}, *CONFIGS["dsv3"][1:])
+CONFIGS["qwen2_native"] = ({**CONFIGS["qwen2"][0], "quantization_config": NATIVE}, *CONFIGS["qwen2"][1:])
+PATTERN = {"dsv3": "mla_attention_fp8_static_quant", "qwen2": "attention_fp8_static_quant",
+           "dsv3_native": "mla_attention_fp8_static_native", "qwen2_native": "attention_fp8_static_native"}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

@@ -10,6 +10,7 @@ import torch
 import fusion_pass_vllm
 from fusion_pass import fp8, formats
 from fusion_pass.runtime import backends
+from fusion_pass.runtime.fp8_rows import NATIVE_FORM, OP_FORM
 from fusion_pass.vllm import FusionPassForVllm
 from fusion_pass.vllm.runtime import attention_op, fp8_static_rows, fused_rows, guard
 from test_vllm_attention_op import DV, H, K, StandInMLA, VllmStructure, batch, expected_prefill
@@ -19,6 +20,7 @@ FP8 = torch.float8_e4m3fn
 LAYER = "model.layers.0.self_attn.attn"
 T, N = 8, 32
 SCALE = torch.tensor([0.01])
+INV = torch.nextafter(fp8.reciprocal(SCALE), torch.tensor([float("inf")]))  # not the IEEE quotient: the graph's own
 
 
 def test_the_vocabulary_binds_static_fp8_with_this_builds_quant_op():
@@ -39,18 +41,24 @@ def test_the_vocabulary_binds_static_fp8_with_this_builds_quant_op():
     assert vocab.quant_form("fp8_static").op is vocab.fp8_static_quant
 
 
+def _vllm_attention(kind: str, q, k, v):
+    """vLLM's attention op of ``kind`` into a new bf16 output (``[T, H*Dv]`` for MLA, ``[T, H, Dv]`` otherwise)."""
+    if kind == "mla":
+        out = torch.empty(q.shape[0], H * DV, dtype=torch.bfloat16)
+        torch.ops.vllm.unified_mla_attention_with_output(q, k, v, out, LAYER)
+    else:
+        out = torch.empty(q.shape[0], H, DV, dtype=torch.bfloat16)
+        torch.ops.vllm.unified_attention_with_output(q, k, v, out, LAYER)
+    return out
+
+
 def _graph(kind: str, gemm_scale_is_the_quants: bool = True, group_shape=None, other_reader: bool = False):
     """vLLM's attention op -> view -> static FP8 quant -> torch._scaled_mm (the o_proj of
     ``PerTensorTorchFP8ScaledMMLinearKernel``), traced as vLLM's graphs are (functionalized)."""
     quant = fp8_static_rows.quant_op()
 
     def fn(q, k, v, scale, w, w_scale, other_scale):
-        if kind == "mla":
-            out = torch.empty(q.shape[0], H * DV, dtype=torch.bfloat16)
-            torch.ops.vllm.unified_mla_attention_with_output(q, k, v, out, LAYER)
-        else:
-            out = torch.empty(q.shape[0], H, DV, dtype=torch.bfloat16)
-            torch.ops.vllm.unified_attention_with_output(q, k, v, out, LAYER)
+        out = _vllm_attention(kind, q, k, v)
         flat = out.reshape(q.shape[0], H * DV)
         a = torch.empty(q.shape[0], H * DV, dtype=FP8)
         quant(a, flat, scale, group_shape)
@@ -58,6 +66,12 @@ def _graph(kind: str, gemm_scale_is_the_quants: bool = True, group_shape=None, o
                              out_dtype=torch.bfloat16)
         return (y, flat.float().sum()) if other_reader else y
 
+    return _traced(fn, kind)
+
+
+def _traced(fn, kind: str):
+    """``fn(q, k, v, scale, w, w_scale, other_scale)`` traced as vLLM's graphs are (functionalized, v2) on inputs of
+    the ``kind`` of attention."""
     bf = torch.bfloat16
     if kind == "mla":
         qkv = (torch.randn(T, H, 128, dtype=bf), torch.randn(T, 512, dtype=bf), torch.randn(T, 1, 64, dtype=bf))
@@ -122,17 +136,20 @@ def _quantized(x):
     return fp8.quantize_static(x, fp8.reciprocal(SCALE))
 
 
+@pytest.mark.parametrize("form", ["op", "native"])
 @pytest.mark.parametrize("decode,query_lens,context_lens", [(3, [5, 9], [0, 0]), (2, [7, 4], [40, 0]), (0, [4], [48])])
-def test_mla_fp8_rows_decode_exact_prefill_fused_padding_zeroed(decode, query_lens, context_lens):
+def test_mla_fp8_rows_decode_exact_prefill_fused_padding_zeroed(decode, query_lens, context_lens, form):
+    """Both forms: the op form under the scale; the native form under the graph's inverse, multiplied as it is."""
+    quant, scale = (OP_FORM, SCALE) if form == "op" else (NATIVE_FORM, INV)
     layer = StandInMLA()
     inputs, md, kv_cache = batch(decode, query_lens, context_lens)
     n = md.num_actual_tokens
     out = _fp8_buffer(n + 5)
-    fused_rows._run_fused_mla(backends.get_backend("reference"), md, layer, kv_cache, inputs, out, SCALE, None,
-                              None, formats.FP8_STATIC)
+    fused_rows._run_fused_mla(backends.get_backend("reference"), md, layer, kv_cache, inputs, out, scale, None,
+                              None, formats.FP8_STATIC, quant)
     assert layer.forward_impl_rows == ([decode] if decode else [])
     codes = out.view(torch.uint8)
-    want_decode = _quantized(layer.decode_output(inputs[0][:decode]))
+    want_decode = fp8.quantize_static(layer.decode_output(inputs[0][:decode]), quant.inverse(scale), nan=quant.nan)
     assert torch.equal(codes[:decode], want_decode.view(torch.uint8))
     exact = expected_prefill(layer, inputs, md, kv_cache)
     got = fp8.dequantize_static(out[decode:n], SCALE)
@@ -193,3 +210,83 @@ def test_bad_fp8_buffers_are_refused_before_anything_is_written(monkeypatch, cha
                           change.get("block_scale"), (), None)
     after = out.view(torch.uint8) if out.is_contiguous() else out.float()
     assert torch.equal(after, before)
+
+
+# ---------------------------------------------------------------- the native form (vLLM's QuantFP8, no quant op)
+
+
+def _native_graph(kind: str, bound: float = 448.0):
+    """vLLM's attention op -> view -> QuantFP8's native form (float32, ``* reciprocal(scale)``, clamp, float8) ->
+    torch._scaled_mm, traced as vLLM's graphs are."""
+
+    def fn(q, k, v, scale, w, w_scale, other_scale):
+        out = _vllm_attention(kind, q, k, v)
+        x = out.reshape(q.shape[0], H * DV).to(torch.float32) * scale.reciprocal()
+        a = x.clamp(-bound, bound).to(FP8)
+        return torch._scaled_mm(a, w, scale_a=scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+
+    return _traced(fn, kind)
+
+
+@pytest.mark.parametrize("kind", ["mla", "standard"])
+def test_the_native_form_is_rewritten_to_the_fused_op_with_the_graphs_reciprocal(kind):
+    gm = _native_graph(kind)
+    fusion = FusionPassForVllm().fusion()
+    fusion(gm.graph)
+    report = fusion.graphs[-1]
+    pattern = ("mla_" if kind == "mla" else "") + "attention_fp8_static_native"
+    assert report.layers == [{"layer": LAYER, "pattern": pattern, "outcome": "rewritten"}], report.line()
+    ((node, op),) = _attention_nodes(gm)
+    ours = torch.ops.fusion_pass.vllm_mla_attention_nvfp4 if kind == "mla" else torch.ops.fusion_pass.vllm_attention_nvfp4
+    assert op is ours.default
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inv = node.kwargs["output_inv_scale"]
+    assert inv.target is torch.ops.aten.reciprocal.default and inv.args[0] is placeholders[3]
+    assert node.kwargs.get("output_scale") is None and node.kwargs.get("output_block_scale") is None
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default
+                and n.args[1] == FP8], "the native quant is gone"
+    (gemm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default]
+    assert gemm.args[0].args[0] is node and gemm.args[2] is placeholders[3]
+    gm.graph.lint()
+
+
+def test_a_native_form_with_other_clamp_bounds_is_refused():
+    gm = _native_graph("standard", bound=400.0)
+    fusion = FusionPassForVllm().fusion()
+    fusion(gm.graph)
+    assert fusion.graphs[-1].refused == {"fp8_native_quant_not_clamped_to_448": 1}
+
+
+def test_the_op_takes_the_native_form_and_its_fallback_keeps_its_arithmetic(monkeypatch):
+    from fusion_pass.runtime import counters
+
+    layer = VllmStructure()
+    inputs, md, kv_cache = batch(0, [6], [0])
+    monkeypatch.setattr(attention_op, "_context", lambda name: (md, layer, kv_cache))
+    counters.reset_counters()
+    attention_op._run(None, inputs, _fp8_buffer(6), "stand_in.attn", None, None, (), None, output_inv_scale=INV)
+    assert counters.counters()["fused_by_backend"] == {"reference (fp8_static)": 1}
+    values = torch.randn(6, K).to(torch.bfloat16)
+    values[2, 3] = float("nan")
+    fallback = _fp8_buffer(6)
+    attention_op._run_unfused(lambda q, k, v, target, *rest: target.copy_(values), inputs, fallback, "stand_in.attn",
+                              INV, None, output_format=formats.FP8_STATIC, fp8_quant=NATIVE_FORM)
+    want = fp8.quantize_static(values, INV, nan=fp8.NaNRule.NAN).view(torch.uint8)
+    assert torch.equal(fallback.view(torch.uint8), want) and int(want[2, 3]) == 0x7F
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(scale=SCALE), "output_scale must be None with output_inv_scale"),
+    (dict(block_scale=torch.zeros(128, 4, dtype=torch.int32)), "output_block_scale must be None with output_inv"),
+    (dict(inv=torch.ones(2)), "output_inv_scale of a static FP8 output must be one float32 value"),
+    (dict(out=torch.zeros(6, K // 2, dtype=torch.uint8)), "output must be float8_e4m3fn with output_inv_scale"),
+])
+def test_bad_native_form_buffers_are_refused_before_anything_is_written(monkeypatch, change, says):
+    inputs, _, _ = batch(0, [6], [0])
+    monkeypatch.setattr(attention_op, "_context", lambda name: pytest.fail("read the context before checking"))
+    out = change.get("out", _fp8_buffer(6))
+    before = out.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match=says):
+        attention_op._run(None, inputs, out, "stand_in.attn", change.get("scale"), change.get("block_scale"), (),
+                          None, output_inv_scale=change.get("inv", INV))
+    assert torch.equal(out.view(torch.uint8), before)

@@ -50,10 +50,12 @@ def test_vllm_vocabulary_names_vllm_ops_and_our_run_time_ops():
     if not hasattr(torch.ops._C, "scaled_fp4_quant"):  # vLLM's CPU build
         assert vocab.nvfp4_quant is torch.ops.fusion_pass.scaled_fp4_quant.out
         assert vocab.nvfp4_gemm is torch.ops.fusion_pass.nvfp4_gemm.default
-    # our ops mirror vLLM's schemas argument for argument (kv_cache_dummy_dep, layer_name's type, ...)
+    # our ops mirror vLLM's schemas argument for argument (kv_cache_dummy_dep, layer_name's type, ...), then take
+    # the project's own last argument (static FP8 in the native form)
     for ours, theirs in ((vocab.fused_attention, vocab.attention), (vocab.fused_mla_attention, vocab.mla_attention)):
         assert [(a.name, str(a.type)) for a in ours._schema.arguments] == \
-               [(a.name, str(a.type)) for a in theirs._schema.arguments]
+               [(a.name, str(a.type)) for a in theirs._schema.arguments] + [("output_inv_scale", "Optional[Tensor]")]
+        assert vocab.writes_native("attention" if ours is vocab.fused_attention else "mla_attention")
 
 
 @pytest.mark.parametrize("module", ["fusion_pass.compile.layout", "fusion_pass.compile.matcher",

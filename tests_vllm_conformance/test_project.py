@@ -21,10 +21,19 @@ VOCABULARY = "fusion_pass/vllm/compile/vocabulary.py"
 ADAPTERS = "fusion_pass/vllm/adapters"
 
 
+PROJECT_ARGS = ("output_inv_scale",)
+"""The fused ops' own trailing arguments after vLLM's (optional; static FP8 in the native form: docs/formats.md)."""
+
+
 def _fused_op(function: str) -> str:
-    """The schema of a fused op function of :data:`ATTENTION_OP`, with the arguments it registers as mutated."""
+    """The schema of a fused op function of :data:`ATTENTION_OP`, with the arguments it registers as mutated, less its
+    own trailing arguments (:data:`PROJECT_ARGS`, checked to be last and optional)."""
     (mutated,) = project.keyword_strings(ATTENTION_OP, "direct_register_custom_op", "mutates_args")
-    return render(args_of(project.function(ATTENTION_OP, function), mutated))
+    args = args_of(project.function(ATTENTION_OP, function), mutated)
+    own = args[len(args) - len(PROJECT_ARGS):]
+    assert tuple(a.name for a in own) == PROJECT_ARGS and all(a.default == "None" for a in own), \
+        f"{function}: its last arguments must be {PROJECT_ARGS}, each defaulting to None"
+    return render(args[:len(args) - len(PROJECT_ARGS)])
 
 
 def _mla_forms() -> dict[tuple[str, ...], str]:

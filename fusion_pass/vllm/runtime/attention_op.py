@@ -55,6 +55,7 @@ import torch
 
 from fusion_pass.formats import FP8_STATIC, NVFP4, call_format
 from fusion_pass.runtime import counters, settings
+from fusion_pass.runtime.fp8_rows import NATIVE_FORM, OP_FORM
 from fusion_pass.vllm import notices, releases
 from fusion_pass.vllm.runtime import fp8_static_rows, fused_rows
 from fusion_pass.vllm.runtime.call_buffers import unfused_width
@@ -151,10 +152,24 @@ class _Step:
         return self.decisions[key]
 
 
-def _format(output, output_scale, output_block_scale):
-    """The call's output format (:func:`fusion_pass.formats.call_format`), its buffers checked where the format
-    needs it (static FP8: :func:`fusion_pass.vllm.runtime.fp8_static_rows.check_call`); ``ValueError`` naming the
-    argument for a call the fused op does not write."""
+def _format(output, output_scale, output_block_scale, output_inv_scale=None):
+    """The call's output format (:func:`fusion_pass.formats.call_format`) and, for static FP8, its arithmetic and
+    scale (:class:`fusion_pass.runtime.fp8_rows.StaticQuant`: the op form and ``output_scale``, or the native form
+    and ``output_inv_scale``), its buffers checked where the format needs it (static FP8:
+    :func:`fusion_pass.vllm.runtime.fp8_static_rows.check_call`); ``ValueError`` naming the argument for a call the
+    fused op does not write."""
+    if output_inv_scale is not None:
+        for name, value in (("output_scale", output_scale), ("output_block_scale", output_block_scale)):
+            if value is not None:
+                raise ValueError(f"fusion_pass vLLM attention op: {name} must be None with output_inv_scale (static "
+                                 f"FP8 in the native form)")
+        fp8_static_rows.check_call("fusion_pass vLLM attention op", output, output_inv_scale, None,
+                                   scale_name="output_inv_scale")
+        return FP8_STATIC, NATIVE_FORM, output_inv_scale
+    return _op_format(output, output_scale, output_block_scale), OP_FORM, output_scale
+
+
+def _op_format(output, output_scale, output_block_scale):
     fmt = call_format(output, output_scale, output_block_scale)
     if fmt is NVFP4:
         return fmt
@@ -165,14 +180,16 @@ def _format(output, output_scale, output_block_scale):
     return FP8_STATIC
 
 
-def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, extra=None) -> None:
+def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, extra=None,
+         output_inv_scale=None) -> None:
     """One call. Per call, beyond vLLM's op and the quant op (the exact fallback) or the fused rows: the output
     format read from the buffers (:func:`_format`), the forward context's entry for the layer, the step kept on its
     metadata (a decode-only step's decision, taken once per step and format; otherwise the guard, whose decision is
     kept per step for layers that read alike), the count. ``rest``: the arguments of vLLM's op after
     ``output_block_scale``, in its schema's order; ``extra``: those of them the fused MLA rows pass on to vLLM's
-    ``forward_impl`` for the decode rows (by name)."""
-    fmt = _format(output, output_scale, output_block_scale)
+    ``forward_impl`` for the decode rows (by name). ``output_inv_scale``: the native form of static FP8 (this
+    project's argument, not vLLM's): the rows written with it in ``output_scale``'s place (:func:`_format`)."""
+    fmt, fp8_quant, output_scale = _format(output, output_scale, output_block_scale, output_inv_scale)
     name = layer_name if type(layer_name) is str else layer_name_of(layer_name)
     md, layer, kv_cache = _context(name)
     if md is None:  # vLLM's profile and dummy runs
@@ -187,7 +204,7 @@ def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, 
         decision = step.decision if fmt is NVFP4 else step.decision_for(md, name, fmt)
         if decision is not None:  # a decode-only step: the exact fallback, decided once for the step
             _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step,
-                         fmt)
+                         fmt, fp8_quant)
             counters.record(decision, name)
             return
         decision = decide_rows(name, inputs[0], md, layer, kv_cache, fmt)
@@ -196,12 +213,14 @@ def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, 
     if decision.fused:  # the exact fallback calls vLLM's op, which runs the KV-connector hooks itself
         if _kv_transfer_utils().has_kv_transfer_group():
             _with_kv_transfer()(name, lambda: fused_rows.run_fused(decision, md, layer, kv_cache, inputs, output,
-                                                                    output_scale, output_block_scale, extra))
+                                                                    output_scale, output_block_scale, extra,
+                                                                    fp8_quant))
         else:  # what vLLM's hooks do without a KV connector: nothing
             fused_rows.run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
-                                 extra)
+                                 extra, fp8_quant)
     else:
-        _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step, fmt)
+        _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, step, fmt,
+                     fp8_quant)
     counters.record(decision, name)
 
 
@@ -226,7 +245,7 @@ def _log_path(name, decision) -> None:
 
 
 def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest=(), heads=None,
-                 step=None, output_format=NVFP4) -> None:
+                 step=None, output_format=NVFP4, fp8_quant=OP_FORM) -> None:
     """vLLM's attention into a temporary of the query dtype, then the unfused graph's quant op of ``output_format``
     (:func:`fusion_pass.vllm.runtime.fused_rows.quant_op` for NVFP4, ``fused_rows.fp8_static_quant_op`` for static
     FP8: ``static_scaled_fp8_quant(result, input, scale)``). ``rest``: vLLM's op's arguments after
@@ -251,7 +270,7 @@ def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block
             step.buffer = (key, tmp, target)
     vllm_op(*inputs, target, layer_name, None, None, *rest)
     if output_format is FP8_STATIC:  # the quant's result is the op's output, its scale the op's output_scale
-        fused_rows.fp8_static_quant_op()(fp8_static_rows.codes(output), tmp, output_scale)
+        fp8_static_rows.quantize(fp8_static_rows.codes(output), tmp, output_scale, fp8_quant)
         return
     # the attention op's output_scale is the global scale (the quant's input_scale); its output_block_scale is
     # the quant's output_scale (the block scales)
@@ -286,9 +305,10 @@ def register() -> None:
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
         kv_cache_dummy_dep: torch.Tensor | None = None,
+        output_inv_scale: torch.Tensor | None = None,
     ) -> None:
         _run(standard_op, (query, key, value), output, layer_name, output_scale, output_block_scale,
-             (kv_cache_dummy_dep,), query.shape[1])
+             (kv_cache_dummy_dep,), query.shape[1], output_inv_scale=output_inv_scale)
 
     def vllm_mla_attention_nvfp4(
         q: torch.Tensor,
@@ -304,10 +324,11 @@ def register() -> None:
         quant_col_major: bool | None = None,
         quant_tma_aligned: bool | None = None,
         q_dcp_replicated: torch.Tensor | None = None,
+        output_inv_scale: torch.Tensor | None = None,
     ) -> None:
         _run(mla_op, (q, kv_c_normed, k_pe), output, layer_name, output_scale, output_block_scale,
              (kv_cache_dummy_dep, quant_group_size, quant_scale_ue8m0, quant_col_major, quant_tma_aligned,
-              q_dcp_replicated), None)
+              q_dcp_replicated), None, output_inv_scale=output_inv_scale)
 
     def vllm_mla_attention_nvfp4_with_mqa_q_prepared(  # 0.34's schema: mqa_q_prepared, a decode query made by the model
         q: torch.Tensor,
@@ -324,10 +345,12 @@ def register() -> None:
         quant_tma_aligned: bool | None = None,
         q_dcp_replicated: torch.Tensor | None = None,
         mqa_q_prepared: torch.Tensor | None = None,
+        output_inv_scale: torch.Tensor | None = None,
     ) -> None:
         _run(mla_op, (q, kv_c_normed, k_pe), output, layer_name, output_scale, output_block_scale,
              (kv_cache_dummy_dep, quant_group_size, quant_scale_ue8m0, quant_col_major, quant_tma_aligned,
-              q_dcp_replicated, mqa_q_prepared), None, {"mqa_q_prepared": mqa_q_prepared})
+              q_dcp_replicated, mqa_q_prepared), None, {"mqa_q_prepared": mqa_q_prepared},
+             output_inv_scale=output_inv_scale)
 
     mla_forms = {(): vllm_mla_attention_nvfp4, ("mqa_q_prepared",): vllm_mla_attention_nvfp4_with_mqa_q_prepared}
     extra_args = release.mla_op_extra_args

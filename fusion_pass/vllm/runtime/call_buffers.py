@@ -59,38 +59,42 @@ class Nvfp4Buffers:
 
 class Fp8StaticBuffers:
     """A static FP8 call's buffer (module docstring): ``output`` contiguous float8_e4m3fn (``[T, K]`` or ``[T, H,
-    Dv]``), ``scale`` float32 ``[1]``."""
+    Dv]``), ``scale`` float32 ``[1]`` (the checkpoint's; the graph's inverse under ``quant`` =
+    :data:`fusion_pass.runtime.fp8_rows.NATIVE_FORM`)."""
 
     format = FP8_STATIC
 
-    def __init__(self, output, scale, n: int):
-        self.n, self.scale = n, scale
+    def __init__(self, output, scale, n: int, quant: fp8_rows.StaticQuant = fp8_rows.OP_FORM):
+        self.n, self.scale, self.quant = n, scale, quant
         self.codes = fp8_static_rows.codes(output)
         self.width = self.codes.shape[1]
 
     def run_prefills(self, backend, q, k, v, **rows) -> None:
-        fp8_rows.run_prefills_fp8_static(backend, q, k, v, output=self.codes[:self.n], scale=self.scale, **rows)
+        fp8_rows.run_prefills_fp8_static(backend, q, k, v, output=self.codes[:self.n], scale=self.scale,
+                                         quant=self.quant, **rows)
 
     def part(self, m: int, device) -> "Fp8StaticBuffers":
-        return Fp8StaticBuffers(torch.empty(m, self.width, dtype=FP8_STATIC.element, device=device), self.scale, m)
+        return Fp8StaticBuffers(torch.empty(m, self.width, dtype=FP8_STATIC.element, device=device), self.scale, m,
+                                self.quant)
 
     def copy_from(self, part: "Fp8StaticBuffers", rows) -> None:
         self.codes.view(torch.uint8).index_copy_(0, rows, part.codes.view(torch.uint8))
 
     def write(self, values, rows) -> None:
-        fp8_static_rows.write_rows(values, self.scale, self.codes, rows)
+        fp8_static_rows.write_rows(values, self.scale, self.codes, rows, self.quant)
 
     def zero_padding(self) -> None:
         self.codes.view(torch.uint8)[self.n:].zero_()
 
 
-def call_buffers(output_format: OutputFormat, output, output_scale, output_block_scale, n: int):
-    """The buffers of a call writing ``output_format`` (:data:`NVFP4` or :data:`FP8_STATIC`), of which the batch
-    has ``n`` rows. Raises ``ValueError`` for another format."""
+def call_buffers(output_format: OutputFormat, output, output_scale, output_block_scale, n: int,
+                 fp8_quant: fp8_rows.StaticQuant = fp8_rows.OP_FORM):
+    """The buffers of a call writing ``output_format`` (:data:`NVFP4` or :data:`FP8_STATIC`, in the arithmetic of
+    ``fp8_quant``), of which the batch has ``n`` rows. Raises ``ValueError`` for another format."""
     if output_format is NVFP4:
         return Nvfp4Buffers(output, output_scale, output_block_scale, n)
     if output_format is FP8_STATIC:
-        return Fp8StaticBuffers(output, output_scale, n)
+        return Fp8StaticBuffers(output, output_scale, n, fp8_quant)
     raise ValueError(f"call_buffers: the fused vLLM op writes {NVFP4.name} or {FP8_STATIC.name}, not "
                      f"{output_format.name}")
 

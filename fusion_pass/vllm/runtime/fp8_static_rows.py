@@ -19,9 +19,11 @@ import functools
 
 import torch
 
+from fusion_pass import fp8
 from fusion_pass.formats import FP8_STATIC
+from fusion_pass.runtime.fp8_rows import OP_FORM, StaticQuant
 
-__all__ = ["QUANT_ARGUMENTS", "check_call", "codes", "fits", "quant_op", "static_quant_op", "write_rows"]
+__all__ = ["QUANT_ARGUMENTS", "check_call", "codes", "fits", "quant_op", "quantize", "static_quant_op", "write_rows"]
 
 QUANT_ARGUMENTS = ("result", "input", "scale")
 """The arguments of ``static_scaled_fp8_quant`` the pass and the fallback use (vLLM's schema)."""
@@ -54,15 +56,18 @@ def quant_op():
     return static_quant_op()
 
 
-def check_call(name: str, output, output_scale, output_block_scale) -> None:
+def check_call(name: str, output, output_scale, output_block_scale, scale_name: str = "output_scale") -> None:
     """The buffers of a static FP8 call, checked before anything is written (``ValueError`` naming the argument):
-    ``output`` contiguous float8_e4m3fn, ``output_scale`` one float32 value, no ``output_block_scale`` (an FP8 output
-    with block scales is a group format, which the fused op does not write)."""
+    ``output`` contiguous float8_e4m3fn, ``output_scale`` (or the native form's ``output_inv_scale``, named by
+    ``scale_name``) one float32 value, no ``output_block_scale`` (an FP8 output with block scales is a group format,
+    which the fused op does not write)."""
+    if output.dtype != FP8_STATIC.element:
+        raise ValueError(f"{name}: output must be float8_e4m3fn with {scale_name} (static FP8), got {output.dtype}")
     if output_block_scale is not None:
         raise ValueError(f"{name}: output_block_scale must be None for a float8_e4m3fn output (static per-tensor "
                          f"FP8); FP8 group scales are not written by the fused call")
     if output_scale.dtype != torch.float32 or output_scale.numel() != 1:
-        raise ValueError(f"{name}: output_scale of a static FP8 output must be one float32 value, got "
+        raise ValueError(f"{name}: {scale_name} of a static FP8 output must be one float32 value, got "
                          f"{output_scale.dtype} with {output_scale.numel()} elements")
     if not output.is_contiguous():
         raise ValueError(f"{name}: output (float8_e4m3fn) must be contiguous, got strides {tuple(output.stride())}")
@@ -73,15 +78,26 @@ def codes(output: torch.Tensor) -> torch.Tensor:
     return output.view(output.shape[0], -1)
 
 
-def write_rows(values: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, rows) -> None:
-    """``values [M, K]`` (the query dtype: attention as the unfused graph computed it) quantized by the unfused graph's
-    quant op (:func:`quant_op`) into ``rows`` of ``out`` (``[T, K]`` float8_e4m3fn): a slice of ``M`` rows is written
+def quantize(result: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, quant: StaticQuant = OP_FORM) -> None:
+    """``values`` quantized into ``result`` (float8_e4m3fn, its shape) as the unfused graph does: the op form by its
+    quant op (:func:`quant_op`), the native form (``scale`` the graph's inverse) by the same aten arithmetic
+    (:func:`fusion_pass.fp8.quantize_static`, a NaN kept)."""
+    if quant.scale_is_inverse:
+        result.copy_(fp8.quantize_static(values, scale, nan=quant.nan).view(result.shape))
+        return
+    quant_op()(result, values, scale)
+
+
+def write_rows(values: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, rows,
+               quant: StaticQuant = OP_FORM) -> None:
+    """``values [M, K]`` (the query dtype: attention as the unfused graph computed it) quantized as the unfused graph
+    does (:func:`quantize`) into ``rows`` of ``out`` (``[T, K]`` float8_e4m3fn): a slice of ``M`` rows is written
     in place; an int64 index tensor of ``M`` rows through an ``[M, K]`` temporary whose bytes are copied into those
     rows. Quantization is per element, so each row's bytes are the unfused graph's; no other row is touched."""
     if isinstance(rows, slice):
-        quant_op()(out[rows], values, scale)
+        quantize(out[rows], values, scale, quant)
         return
     tmp = torch.empty(values.shape, dtype=FP8_STATIC.element, device=values.device)
-    quant_op()(tmp, values, scale)
+    quantize(tmp, values, scale, quant)
     out.view(torch.uint8).index_copy_(0, rows, tmp.view(torch.uint8))
 

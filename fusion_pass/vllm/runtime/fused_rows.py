@@ -17,6 +17,7 @@ import torch
 from fusion_pass import formats
 from fusion_pass.formats import NVFP4
 from fusion_pass.runtime import backends
+from fusion_pass.runtime.fp8_rows import OP_FORM, StaticQuant
 from fusion_pass.vllm.adapters import registry
 from fusion_pass.vllm.adapters.host_rows import device_index, mla_rows
 from fusion_pass.vllm.runtime.fused_standard import run_fused_standard
@@ -29,20 +30,22 @@ __all__ = ["fp8_static_quant_op", "quant_op", "run_fused"]
 
 
 def run_fused(decision, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
-              extra: dict | None = None) -> None:
+              extra: dict | None = None, fp8_quant: StaticQuant = OP_FORM) -> None:
     """The guard's fused ``decision`` (:class:`fusion_pass.runtime.guard.Decision`): its backend on the call's
     prefill rows (on every row for a one-call decision), the other rows as the unfused graph writes them, rows past
     the batch's zeroed (MLA: :func:`_run_fused_mla`; standard layers: :func:`run_fused_standard`), in the decision's
     output format (NVFP4 or static FP8: the buffers, :mod:`fusion_pass.vllm.runtime.call_buffers`). ``extra``: the MLA
-    op's arguments its decode rows pass on to vLLM's ``forward_impl`` (0.34's ``mqa_q_prepared``)."""
+    op's arguments its decode rows pass on to vLLM's ``forward_impl`` (0.34's ``mqa_q_prepared``). ``fp8_quant``: a
+    static FP8 call's arithmetic (:class:`fusion_pass.runtime.fp8_rows.StaticQuant`)."""
     backend = backends.get_backend(decision.backend)
     output_format = formats.by_name(decision.format)
     if is_mla(layer):
         _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, extra,
-                       output_format)
+                       output_format, fp8_quant)
     else:
         run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
-                           step_rows(md, layer), one_call=decision.one_call, output_format=output_format)
+                           step_rows(md, layer), one_call=decision.one_call, output_format=output_format,
+                           fp8_quant=fp8_quant)
 
 
 def _cached_latents(block_table, kv_cache, context_lens: list[int], lo: int, hi: int):
@@ -102,7 +105,7 @@ def _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, first_row: int, context_le
 
 
 def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale,
-                   extra=None, output_format=NVFP4) -> None:
+                   extra=None, output_format=NVFP4, fp8_quant: StaticQuant = OP_FORM) -> None:
     """An MLA call with at least one prefill row: the prefills (rows ``[D, n)``, ``n = num_actual_tokens``)
     through the fused backend first (:func:`fusion_pass.runtime.row_plan.run_prefills`, or
     :func:`fusion_pass.runtime.fp8_rows.run_prefills_fp8_static` for static FP8; NVFP4's entry point may zero scale
@@ -112,7 +115,7 @@ def _run_fused_mla(backend, md, layer, kv_cache, inputs, output, output_scale, o
     batch = mla_rows(md).rows
     decode, query_lens, context_lens = batch.decode_tokens, list(batch.query_lens), list(batch.context_lens)
     q, kv_c_normed, k_pe = (t[:n] for t in inputs)
-    buffers = call_buffers(output_format, output, output_scale, output_block_scale, n)
+    buffers = call_buffers(output_format, output, output_scale, output_block_scale, n, fp8_quant)
     k, v, context = _mla_keys(layer, md, kv_cache, kv_c_normed, k_pe, decode, context_lens)
     buffers.run_prefills(backend, q, k, v, first_row=decode, query_lens=query_lens, context_lens=context_lens,
                          context=context, softmax_scale=float(layer.scale))

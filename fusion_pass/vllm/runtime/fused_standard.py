@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from fusion_pass.formats import NVFP4, OutputFormat
+from fusion_pass.runtime.fp8_rows import OP_FORM, StaticQuant
 from fusion_pass.vllm.adapters.paged import context_source
 from fusion_pass.vllm.adapters.registry import adapter_for
 from fusion_pass.vllm.adapters.host_rows import device_index, request_rows
@@ -37,7 +38,8 @@ __all__ = ["run_fused_standard", "run_one_call"]
 
 
 def run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scale, output_block_scale, rows, *,
-                       one_call: bool = False, output_format: OutputFormat = NVFP4) -> None:
+                       one_call: bool = False, output_format: OutputFormat = NVFP4,
+                       fp8_quant: StaticQuant = OP_FORM) -> None:
     """A standard layer's call with at least one prefill row (module docstring); ``rows`` its
     :class:`~fusion_pass.vllm.adapters.host_rows.StepRows`; ``output_format`` the call's
     (:func:`fusion_pass.formats.call_format`: its buffers, :func:`~fusion_pass.vllm.runtime.call_buffers.call_buffers`);
@@ -56,7 +58,7 @@ def run_fused_standard(backend, md, layer, kv_cache, inputs, output, output_scal
     q = inputs[0][:n].reshape(n, heads, d)
     k = inputs[1][:n].reshape(n, kv_heads, d)
     v = inputs[2][:n].reshape(n, kv_heads, d)
-    buffers = call_buffers(output_format, output, output_scale, output_block_scale, n)
+    buffers = call_buffers(output_format, output, output_scale, output_block_scale, n, fp8_quant)
     query_lens = [rows.query_lens[i] for i in rows.prefill]
     context_lens = [rows.context_lens[i] for i in rows.prefill]
     context = context_source(adapter, layer, md, rows, kv_cache) if any(context_lens) else None
