@@ -186,7 +186,7 @@ def rewrite(graph: Graph, match: NativeMatch, vocab: OpVocabulary) -> Node:
                                      {"dtype": codes.dtype, "device": codes.device, "pin_memory": False})
     buffer.meta["val"] = codes
     new_attention = inline_replacement(graph, match, vocab, [buffer, match.scale], [quant])
-    for node in buffer.users:  # the replacement's reciprocal of s: the shape and dtype of s
+    for node in match.scale.users:  # the replacement's reciprocal of s: the shape and dtype of s
         if node.target is aten.reciprocal.default and "val" not in node.meta:
             node.meta["val"] = layout.value(match.scale)
     return new_attention

@@ -71,6 +71,7 @@ def test_the_native_form_becomes_one_fp8_attention_call(make_block, kind, form, 
     assert kwargs.get("output_scale") is None and kwargs.get("output_block_scale") is None
     inv = kwargs["output_inv_scale"]
     assert inv.target is aten.reciprocal.default and inv.args[0].op == "placeholder", "the graph's reciprocal of s"
+    assert inv.meta["val"].shape == inv.args[0].meta["val"].shape and inv.meta["val"].dtype == torch.float32
     out_buf = kwargs["output"] if form == "v1" else kwargs["_all_bases"][kwargs["_output_base_index"]]
     assert out_buf.target is aten.empty.memory_format
     assert out_buf.meta["val"].dtype == torch.float8_e4m3fn and out_buf.meta["val"].shape[-1] == block.heads * block.v
