@@ -32,8 +32,9 @@ demo: $(VENV)/.demo
 	$(VENV)/bin/fusion-pass demo
 
 # Two workers (one per core on the 2-core CI machine; -n auto takes every core), a test file per worker at a time.
-# The exhaustive FA4 compile sweeps (every SM90 configuration and sweep candidate, every SM100 head-dim pair) are
-# marked slow: `make test-slow` runs them, `make test-all` both; CI runs both.
+# The exhaustive FA4 compile sweeps (every SM90 configuration and sweep candidate, every SM100 head-dim pair) and the
+# generated matcher cases in the v2 functionalized form are marked slow: `make test-slow` runs them, `make test-all`
+# both; CI runs both.
 PYTEST_PARALLEL ?= -n auto --dist loadfile
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow"

@@ -20,10 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# No precompiled C++ headers for Inductor's CPU kernels: they are shared by every process of the machine, and under
-# two test workers a kernel now and then compiled against a header without ATen's vector types ("'at::vec' has not
-# been declared"), failing a test at random. Read when torch._inductor.config is first imported (not by torch).
+# Inductor's CPU kernels compiled in the test process itself, without precompiled headers. Under two test workers on a
+# cold cache a kernel now and then came out vectorized for the test process's CPU capability but was built without
+# its flags ("'at::vec' has not been declared"), failing a test at random: the capability is checked per process
+# (by compiling and running a probe), and a compile worker process under load can find none. One compile thread
+# keeps codegen and build in one process; precompiled headers are shared by every process of the machine. Both are
+# read when torch._inductor.config is first imported (not by torch).
 os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture

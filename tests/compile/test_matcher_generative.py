@@ -89,7 +89,8 @@ DEFAULT_SEEDS = 100
 SEEDS = int(os.environ.get("FUSION_PASS_GENERATIVE_SEEDS", DEFAULT_SEEDS))
 BASE_SEED = int(os.environ.get("FUSION_PASS_GENERATIVE_BASE_SEED", 0))
 GROUP_SIZE = int(os.environ.get("FUSION_PASS_GENERATIVE_GROUP_SIZE", 24))
-FORMS = ("v1", "v2")
+# v1 (vLLM's form) in `make test`; v2, a second compile of every group, in `make test-slow` (CI runs both)
+FORMS = ("v1", pytest.param("v2", marks=pytest.mark.slow))
 
 # Every batch kind at one token count T: the token dim is symbolic in the one compiled graph (marked
 # dynamic, hint T), and no guard a chain makes Inductor add (its reshape indexing compares T with
