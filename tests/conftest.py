@@ -20,14 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Inductor's CPU kernels compiled in the test process itself, without precompiled headers. Under two test workers on a
-# cold cache a kernel now and then came out vectorized for the test process's CPU capability but was built without
-# its flags ("'at::vec' has not been declared"), failing a test at random: the capability is checked per process
-# (by compiling and running a probe), and a compile worker process under load can find none. One compile thread
-# keeps codegen and build in one process; precompiled headers are shared by every process of the machine. Both are
-# read when torch._inductor.config is first imported (not by torch).
+# Inductor's CPU kernels: the vector ISA taken from the CPU's flags without the probe, no precompiled headers. Under two
+# test workers on a cold cache a kernel now and then came out vectorized but was built without its ISA flags
+# ("'at::vec' has not been declared"), failing a test at random: Inductor decides the ISA per process by compiling and
+# running a probe program, which a process under load can fail. Precompiled headers are shared by every process of
+# the machine. Both are read when torch._inductor.config is first imported (not by torch).
 os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 
 @pytest.fixture
