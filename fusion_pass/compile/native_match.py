@@ -26,7 +26,7 @@ from fusion_pass import formats
 from fusion_pass.fp8 import E4M3_MAX
 from fusion_pass.compile import layout, native_forms
 from fusion_pass.compile.matcher import (Match, _match, attention_output_width, buffer_arg, input_names,
-                                         mutated_result, query_value)
+                                         mutated_result, query_value, wrapped_op)
 from fusion_pass.compile.rewrite import inline_replacement
 from fusion_pass.patterns import AttentionQuantPattern, OpVocabulary
 
@@ -165,11 +165,11 @@ def _gemm_reason(codes: Node, scale: Node, vocab: OpVocabulary, fmt: str) -> str
     the steps :func:`_scale_source` follows) as its activation scale, and no such call is refused by its form."""
     verdicts = []
     for reader, via in layout.byte_readers(codes):
-        for gemm in vocab.gemm_forms(fmt):
-            args = layout.call_arguments(reader, gemm.op)
-            if (reader.target is gemm.op and args.get(gemm.activation) is via and gemm.takes(args)
-                    and _scale_source(args.get(gemm.block_scale)) is scale):
-                verdicts.append(gemm.refusal(args))
+        op = wrapped_op(reader)[0] or reader.target  # a mutating GEMM (SM90's cutlass_scaled_mm) is wrapped
+        args = layout.call_arguments(reader, op)
+        verdicts += [gemm.refusal(args) for gemm in vocab.gemm_forms(fmt)
+                     if op is gemm.op and args.get(gemm.activation) is via and gemm.takes(args)
+                     and _scale_source(args.get(gemm.block_scale)) is scale]
     if not verdicts:
         return f"no_{fmt}_gemm_consumer"
     return next((v for v in verdicts if v), None)

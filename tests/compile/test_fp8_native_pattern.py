@@ -147,3 +147,47 @@ def test_refusals(make_block, form, case, reason):
     assert fp.report()["refused"] == {reason: 1}
     assert not [n for n in rec.after[0].nodes if wrapped(n) in ATTENTION_OPS and "output_inv_scale" in n.kwargs
                 and n.kwargs["output_inv_scale"] is not None]
+
+
+def native_o_proj_codes(out, x_scale):
+    """QuantFP8's native form of ``out`` under the static ``x_scale``: the codes ``[T, H*Dv]``."""
+    x = out.reshape(out.shape[0], -1).to(torch.float32) * x_scale.reciprocal()
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+_lib = torch.library.Library("fp8_native_test", "DEF")
+_lib.define("cutlass_like_scaled_mm(Tensor(a!) out, Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, "
+            "Tensor? bias) -> ()")
+
+
+@torch.library.impl(_lib, "cutlass_like_scaled_mm", "CompositeExplicitAutograd")
+def _cutlass_like_scaled_mm(out, a, b, a_scales, b_scales, bias):
+    out.copy_(aten._scaled_mm(a, b, a_scales, b_scales, out_dtype=out.dtype))
+
+
+def test_a_gemm_that_writes_its_output_buffer_is_matched_through_its_wrapper(make_block, form):
+    """SM90's default FP8 GEMM in vLLM, ``_C::cutlass_scaled_mm(out, a, b, a_scales, b_scales, bias)``, mutates its
+    output: the graph calls it through ``auto_functionalized``. A stand-in with its schema, as a vocabulary's form."""
+    import dataclasses
+
+    from fusion_pass.patterns import GemmForm, fusion_pass_vocabulary
+
+    op = torch.ops.fp8_native_test.cutlass_like_scaled_mm.default
+    vocab = dataclasses.replace(fusion_pass_vocabulary(), name="cutlass_like", fp8_static_gemms=(
+        GemmForm("cutlass_like", op, "a", "a_scales", format="fp8_static"),))
+    block = make_block("gqa", 5)
+
+    def f(a, b, c, x_scale):
+        out = block.attn(a, b, c)
+        codes = native_o_proj_codes(out, x_scale)
+        y = torch.empty(codes.shape[0], block.w.shape[0], dtype=torch.bfloat16)
+        torch.ops.fp8_native_test.cutlass_like_scaled_mm(y, codes, block.w.t(), x_scale, block.w_scale, None)
+        return y
+
+    fp = FusionPass(vocabularies=vocab)
+    rec = Recorder(fp)
+    spec = BatchSpec.from_lens([5, 2])
+    run_compiled(compile_with(f, rec), spec, *block.inputs(spec, 0), block.x_scale)
+    assert fp.report()["rewritten"] == 1, fp.report()
+    (attention,) = _attention_nodes(rec.after[0])
+    assert attention.kwargs["output_inv_scale"].target is aten.reciprocal.default
