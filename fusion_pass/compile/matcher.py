@@ -251,15 +251,23 @@ def _gemm_reason(quant: Node, form: QuantForm, vocab: OpVocabulary) -> str | Non
     scale = (mutated_result(quant, form.gemm_scale) if form.gemm_scale in form.buffers
              else quant.kwargs.get(form.gemm_scale))
     scale_reads = set(layout.byte_readers(scale)) if isinstance(scale, Node) else set()
+    return gemm_reason(codes, lambda reader, arg: (reader, arg) in scale_reads, vocab, form.format)
+
+
+def gemm_reason(codes: Node | None, reads_scale, vocab: OpVocabulary, fmt: str) -> str | None:
+    """None when ``codes`` reach a call of a GEMM form of ``fmt`` as its activation (:func:`layout.byte_readers`: the
+    same bytes; NVFP4 codes may be zero-padded per row) whose scale argument ``reads_scale(reader, arg)`` accepts,
+    and no such call is refused by its form; else the reason. A GEMM that mutates its output is found through its
+    ``auto_functionalized`` wrapper."""
     verdicts = []
-    for reader, via in layout.byte_readers(codes, zero_padding=form.format == "nvfp4") if codes is not None else ():
+    for reader, via in layout.byte_readers(codes, zero_padding=fmt == "nvfp4") if codes is not None else ():
         op = wrapped_op(reader)[0] or reader.target
         args = layout.call_arguments(reader, op)
-        verdicts += [gemm.refusal(args) for gemm in vocab.gemm_forms(form.format)
+        verdicts += [gemm.refusal(args) for gemm in vocab.gemm_forms(fmt)
                      if op is gemm.op and args.get(gemm.activation) is via and gemm.takes(args)
-                     and (reader, args.get(gemm.block_scale)) in scale_reads]
+                     and reads_scale(reader, args.get(gemm.block_scale))]
     if not verdicts:
-        return f"no_{form.format}_gemm_consumer"
+        return f"no_{fmt}_gemm_consumer"
     return next((v for v in verdicts if v), None)
 
 

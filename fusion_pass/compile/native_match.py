@@ -25,8 +25,8 @@ from torch.fx import Graph, Node
 from fusion_pass import formats
 from fusion_pass.fp8 import E4M3_MAX
 from fusion_pass.compile import layout, native_forms
-from fusion_pass.compile.matcher import (Match, _match, attention_output_width, buffer_arg, input_names,
-                                         mutated_result, query_value, wrapped_op)
+from fusion_pass.compile.matcher import (Match, _match, attention_output_width, buffer_arg, gemm_reason,
+                                         input_names, mutated_result, query_value)
 from fusion_pass.compile.rewrite import inline_replacement
 from fusion_pass.patterns import AttentionQuantPattern, OpVocabulary
 
@@ -152,27 +152,13 @@ def examine(attention: Node, pattern: AttentionQuantPattern, vocab: OpVocabulary
     if not layout.reads_token_rows(layout.value(viewed), tokens, width) or not (
             isinstance(codes, torch.Tensor) and codes.dim() == 2 and layout.tensor_is_row_major(codes)):
         return "quant_rows_are_not_tokens"
-    return _gemm_reason(quant, scale, vocab, pattern.format) or _native(_match(pattern, attention, width, quant,
-                                                                                chain), scale)
+    reads_scale = lambda reader, arg: _scale_source(arg) is scale  # noqa: E731  (through views of s)
+    return (gemm_reason(quant, reads_scale, vocab, pattern.format)
+            or _native(_match(pattern, attention, width, quant, chain), scale))
 
 
 def _native(found: Match | str, scale: Node) -> NativeMatch | str:
     return NativeMatch(found, scale) if isinstance(found, Match) else found
-
-
-def _gemm_reason(codes: Node, scale: Node, vocab: OpVocabulary, fmt: str) -> str | None:
-    """None when a GEMM form of ``fmt`` reads ``codes`` (through byte views) as its activation and ``scale`` (through
-    the steps :func:`_scale_source` follows) as its activation scale, and no such call is refused by its form."""
-    verdicts = []
-    for reader, via in layout.byte_readers(codes):
-        op = wrapped_op(reader)[0] or reader.target  # a mutating GEMM (SM90's cutlass_scaled_mm) is wrapped
-        args = layout.call_arguments(reader, op)
-        verdicts += [gemm.refusal(args) for gemm in vocab.gemm_forms(fmt)
-                     if op is gemm.op and args.get(gemm.activation) is via and gemm.takes(args)
-                     and _scale_source(args.get(gemm.block_scale)) is scale]
-    if not verdicts:
-        return f"no_{fmt}_gemm_consumer"
-    return next((v for v in verdicts if v), None)
 
 
 def rewrite(graph: Graph, match: NativeMatch, vocab: OpVocabulary) -> Node:
