@@ -17,6 +17,7 @@ from fusion_pass.fp8.layout import (
     ScaleLayout,
     group_scale_buffer,
     group_scale_shape,
+    writable_scales,
 )
 from fusion_pass.fp8.reference import (
     NaNRule,
@@ -45,4 +46,5 @@ __all__ = [
     "quantize_static",
     "reciprocal",
     "static_error_bound",
+    "writable_scales",
 ]

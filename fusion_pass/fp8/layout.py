@@ -71,3 +71,14 @@ def group_scale_buffer(tokens: int, width: int, layout: ScaleLayout = ScaleLayou
     if layout is ScaleLayout.ROW_MAJOR:
         return torch.empty(t, g, dtype=torch.float32, device=device)
     return torch.empty(g, layout.leading(t), dtype=torch.float32, device=device)[:, :t].t()
+
+
+def writable_scales(scales: torch.Tensor) -> bool:
+    """Whether the writers take a ``[T, G]`` scale tensor's strides: one of the three :class:`ScaleLayout`, or the
+    first ``T`` rows of a column-major one (strides ``(1, L)``, ``L >= T``: a batch's rows of a buffer allocated for
+    more, as vLLM's padded batches are)."""
+    if ScaleLayout.of(scales) is not None:
+        return True
+    t = scales.shape[0]
+    return scales.stride(0) == 1 and scales.stride(1) >= t
+

@@ -392,7 +392,7 @@ def check_fp8_group(fn: str, q: Tensor, v: Tensor, ue8m0, divide, output, scales
         raise ArgumentError(f"{fn}: scales must be float32 [T, H*Dv/128] = {want}, got {describe(scales)}")
     if scales.device != q.device:
         raise ArgumentError(f"{fn}: scales must be on q's device {q.device}, got {scales.device}")
-    if fp8.ScaleLayout.of(scales) is None:
+    if not fp8.writable_scales(scales):
         layouts = ", ".join(f"{layout.value} {layout.strides(*want)}" for layout in fp8.ScaleLayout)
-        raise ArgumentError(f"{fn}: scales must be in one of the layouts (strides) {layouts}, got strides "
-                            f"{scales.stride()}")
+        raise ArgumentError(f"{fn}: scales must be in one of the layouts (strides) {layouts} (or the first rows of a "
+                            f"column-major one), got strides {scales.stride()}")

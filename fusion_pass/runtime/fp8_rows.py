@@ -22,6 +22,9 @@ The unfused bytes are those of the graph's quant, in one of two forms (:class:`S
 under :func:`fusion_pass.fp8.reciprocal` of the scale, a NaN +448, ``0x7E``) or the native form (:data:`NATIVE_FORM`,
 vLLM's ``QuantFP8`` compiled from aten ops: the graph's own reciprocal multiplied as it is, a NaN kept, ``0x7F``); the
 fused rows are the same quantizer applied to the kernel's own float32 output, in the same form.
+
+The FP8 group formats' writer is :mod:`fusion_pass.runtime.fp8_group_rows`'s; both refuse a context beyond the
+workspace bound by :func:`workspace_bound`.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ import torch
 from torch import Tensor
 
 from fusion_pass import fp8
-from fusion_pass.formats import FP8_STATIC
+from fusion_pass.formats import FP8_STATIC, OutputFormat
 from fusion_pass.runtime.backends.base import fused_prefills
 from fusion_pass.runtime.row_plan import ContextRows, check_prefills, write_prefills
 from fusion_pass.runtime.settings import check_token_count, context_workspace_tokens
 
 __all__ = ["FP8StaticRows", "NAN_RULE", "NATIVE_FORM", "OP_FORM", "StaticQuant", "post_quantize_rows_fp8_static",
-           "run_prefills_fp8_static"]
+           "run_prefills_fp8_static", "workspace_bound"]
 
 NAN_RULE = fp8.NaNRule.POSITIVE_MAX
 """What a NaN becomes in the op form's bytes: +448 (``0x7E``), vLLM's ``static_scaled_fp8_quant``."""
@@ -132,13 +135,21 @@ def run_prefills_fp8_static(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, fi
     Rows outside ``[first_row, first_row + sum(query_lens))`` are not written.
     """
     query_lens, context_lens = check_prefills(q, k, v, first_row, query_lens, context_lens, context)
+    bound = workspace_bound("run_prefills_fp8_static", FP8_STATIC, context_lens, workspace_tokens)
+    write_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale,
+                  FP8StaticRows(output, scale, q.shape[0], quant), bound)
+
+
+def workspace_bound(fn: str, output_format: OutputFormat, context_lens: list[int], workspace_tokens: int | None) -> int:
+    """The context workspace bound of an FP8 run of prefills (``workspace_tokens``, checked, default
+    :func:`context_workspace_tokens`), once their cached context (``context_lens``, host ints) is known to fit it:
+    ValueError naming ``fn`` and ``output_format`` beyond it (no FP8 format has a merge of context chunks)."""
     if workspace_tokens is not None:
-        check_token_count("run_prefills_fp8_static(workspace_tokens)", workspace_tokens)
+        check_token_count(f"{fn}(workspace_tokens)", workspace_tokens)
     bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
     total_context = sum(context_lens)
     if total_context > bound:
-        raise ValueError(f"run_prefills_fp8_static: context_lens sum to {total_context} cached tokens, beyond the "
-                         f"context workspace bound of {bound} tokens: {FP8_STATIC.name} has no merge of context "
-                         f"chunks (the guard post-quantizes such prefills)")
-    write_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale,
-                  FP8StaticRows(output, scale, q.shape[0], quant), bound)
+        raise ValueError(f"{fn}: context_lens sum to {total_context} cached tokens, beyond the context workspace "
+                         f"bound of {bound} tokens: {output_format.name} has no merge of context chunks (the guard "
+                         f"post-quantizes such prefills)")
+    return bound

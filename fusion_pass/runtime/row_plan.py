@@ -18,11 +18,13 @@ into what a fused backend's kernel takes and writes them back:
 
 The output format is one seam, :class:`RowWriter`: how a backend's fused kernel writes the format, how two partial
 attentions are merged into it (if the format has a merge), how the other rows are quantized. :class:`NVFP4Rows` is
-NVFP4's; static FP8's is :class:`fusion_pass.runtime.fp8_rows.FP8StaticRows`. :func:`run_rows` and
+NVFP4's; static FP8's is :class:`fusion_pass.runtime.fp8_rows.FP8StaticRows`, the FP8 group formats'
+:class:`fusion_pass.runtime.fp8_group_rows.FP8GroupRows`. :func:`run_rows` and
 :func:`write_prefills` are the plan for any writer; :func:`run_on_prefill` and :func:`run_prefills` are NVFP4's.
 
 A backend is what it is given (:class:`fusion_pass.runtime.backends.Backend`: ``run_varlen``,
-``attention_lse``, ``merge_nvfp4``, ``run_varlen_fp8_static``): the plan calls down into it, it never calls back.
+``attention_lse``, ``merge_nvfp4``, ``run_varlen_fp8_static``, ``run_varlen_fp8_group``): the plan calls down into
+it, it never calls back.
 """
 
 from __future__ import annotations
@@ -222,7 +224,8 @@ def run_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, first_row: in
 
 class RowWriter(Protocol):
     """How the rows of one call are written in its output format, its buffers bound (``T`` rows): the row plan's
-    one seam per format (:class:`NVFP4Rows` here; static FP8: :class:`fusion_pass.runtime.fp8_rows.FP8StaticRows`).
+    one seam per format (:class:`NVFP4Rows` here; static FP8: :class:`fusion_pass.runtime.fp8_rows.FP8StaticRows`;
+    FP8 groups: :class:`fusion_pass.runtime.fp8_group_rows.FP8GroupRows`).
 
     * ``fused(backend, context_lens)``: per prefill (its cached tokens, row order), whether ``backend``'s kernel of
       this format writes it;
@@ -288,8 +291,8 @@ def write_prefills(backend: Any, q: Tensor, k: Tensor, v: Tensor, first_row: int
     bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
     cu_q = _cu(query_lens, q.device, first_row)
     max_q = max(query_lens)
-    if total_context == 0:  # keys are the queries' own tokens; past row 0 they are indexed from 0
-        cu_k = None if first_row == 0 else _cu(query_lens, q.device)
+    if total_context == 0:  # keys are the queries' own tokens; unless they are all of q's rows, indexed from 0
+        cu_k = None if first_row == 0 and k.shape[0] == q.shape[0] else _cu(query_lens, q.device)
         writer.varlen(backend, q, k, v, cu_q, max_q, softmax_scale, cu_k, None if cu_k is None else max_q)
         return
     if total_context > bound and writer.merge is None:

@@ -188,3 +188,15 @@ def test_scale_layouts_are_recognised_from_their_strides(layout, tokens):
 def test_bad_arguments_are_named(call, match):
     with pytest.raises(ArgumentError, match=match):
         call()
+
+
+@pytest.mark.parametrize("layout", list(fp8.ScaleLayout))
+def test_writable_scales_are_the_layouts_and_the_first_rows_of_a_column_major_one(layout):
+    full = fp8.group_scale_buffer(13, 512, layout)
+    assert fp8.writable_scales(full)
+    rows = full[:5]  # a padded batch's rows: column-major keeps its leading stride
+    assert fp8.writable_scales(rows)
+    assert (fp8.ScaleLayout.of(rows) is None) == (layout is not fp8.ScaleLayout.ROW_MAJOR)
+    assert not fp8.writable_scales(torch.empty(8, 8)[:, ::2]), "a column stride of 2: no layout"
+    assert not fp8.writable_scales(torch.empty(4, 8).t()[:, :3][:, ::1].as_strided((8, 3), (1, 2))), \
+        "column-major with a leading stride below the rows: columns overlap"

@@ -469,7 +469,7 @@ def _bad_calls():
     fp8_out = torch.empty(t, width, dtype=fp8.FP8, device=DEVICE)
     scales = torch.empty(t, width // 128, device=DEVICE)
     v64 = torch.zeros(t, 1, 64, dtype=torch.bfloat16, device=DEVICE)
-    wrong_stride = torch.empty(width // 128, t + 1, device=DEVICE)[:, :t].t()
+    wrong_stride = torch.empty(t, 2 * (width // 128), device=DEVICE)[:, ::2]  # a column stride of 2
     static, group = "attention_fp8_static", "attention_fp8_group"
     return [
         (group, {"v": v64, "backend": "triton"}, r"backend 'triton' needs v's head dim Dv divisible by 128 \(a head's tile holds whole 128-column groups\), "
@@ -484,7 +484,8 @@ def _bad_calls():
         (group, {"scales": scales.half()}, r"scales must be float32 \[T, H\*Dv/128\] = \[6, 2\], got torch.float16"),
         (group, {"scales": scales[:, :1]}, r"scales must be float32 \[T, H\*Dv/128\] = \[6, 2\]"),
         (group, {"scales": wrong_stride}, r"scales must be in one of the layouts \(strides\) row_major \(2, 1\), "
-                                          r"column_major \(1, 6\), column_major_tma \(1, 8\), got strides \(1, 7\)"),
+                                          r"column_major \(1, 6\), column_major_tma \(1, 8\) \(or the first rows of a "
+                                          r"column-major one\), got strides \(4, 2\)"),
         (static, {"scale": torch.ones(1, dtype=torch.float64, device=DEVICE)},
          r"scale must be a one-element float32 tensor, got torch.float64"),
         (static, {"scale": torch.ones(2, device=DEVICE)}, r"scale must be a one-element float32 tensor, got .*\[2\]"),

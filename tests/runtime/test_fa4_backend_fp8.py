@@ -1,10 +1,11 @@
 """The ``fa4`` backend's static FP8 launch (``FA4Backend.run_varlen_fp8_static``): which devices it is offered on,
 what it hands FA4's SM90 FP8 kernel, and (on an SM90 GPU with FA4) the bytes through the attention op.
 
-CPU: only SM90 lists FP8 static (its kernel's GPU byte tests passed on an H100; the self-check's canary is NVFP4's);
-``formats`` says FP8 static only where the current device's generation lists it (stand-in table and detection); the
-launch hands :func:`fusion_pass.kernels.fa4.sm90_fp8.fa4_attention_fp8_static_varlen` the output as ``[T, H*Dv]``
-(a view of the same bytes), ``1 / scale`` (or the inverse given) and the NaN rule, and refuses a rule the static
+CPU: only SM90 lists FP8 static and the FP8 group formats (their kernels' GPU byte tests passed on an H100; the
+self-check's canary is NVFP4's); ``formats`` says them only where the current device's generation lists them
+(stand-in table and detection); the launch hands
+:func:`fusion_pass.kernels.fa4.sm90_fp8.fa4_attention_fp8_static_varlen` the output as ``[T, H*Dv]`` (a view of the
+same bytes), ``1 / scale`` (or the inverse given) and the NaN rule, and refuses a rule the static
 epilogue does not write. GPU: generated prefill batches through ``torch.ops.fusion_pass.attention_with_output``
 with ``FUSION_PASS_BACKEND=fa4`` and SM90 listing the format: every byte equals ``fp8.quantize_static`` of FA4's
 own bf16 output (the run after which the table lists it: H100, 2026-12-05).
@@ -27,9 +28,10 @@ from sm90_gpu import gpu  # noqa: E402
 
 
 def test_sm90_alone_lists_fp8_static_its_gpu_byte_tests_passed_there():
-    """SM90's static FP8 epilogue passed its GPU byte tests (H100, 2026-12-05); SM100's is compiled only."""
-    listed = {g.name: "fp8_static" in g.formats for g in generations.GENERATIONS}
-    assert listed == {"sm90": True, "sm100": False}
+    """SM90's static and group FP8 epilogues passed their GPU byte tests (H100, 2026-12-05); SM100's static FP8
+    output stage is compiled only."""
+    listed = {g.name: g.formats for g in generations.GENERATIONS}
+    assert listed == {"sm90": ("nvfp4", "fp8_static", "fp8_group128", "fp8_group128_ue8m0"), "sm100": ("nvfp4",)}
 
 
 @pytest.mark.parametrize("arch, writes_fp8", [(None, False), (90, True), (100, False), (120, False)])
@@ -38,6 +40,8 @@ def test_fp8_static_is_offered_where_the_generation_lists_it(monkeypatch, arch, 
     backend = backends.get_backend("fa4")
     assert base.writes(backend, formats.NVFP4)
     assert base.writes(backend, formats.FP8_STATIC) is writes_fp8
+    assert base.writes(backend, formats.FP8_GROUP128) is writes_fp8
+    assert base.writes(backend, formats.FP8_GROUP128_UE8M0) is writes_fp8
     assert not base.writes(backend, formats.FP8_STATIC, "merge") and not base.writes(backend, formats.FP8_STATIC, "paged")
 
 

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from fusion_pass import fp8
 from fusion_pass.kernels.checks import HALF_DTYPES, check_cu_seqlens_k, check_max_seqlen_k, check_qkv, describe
 from fusion_pass.nvfp4.checks import ArgumentError
 
@@ -29,6 +30,7 @@ __all__ = [
     "FA4_INSTALL_HINT",
     "FA4_VERSION",
     "address",
+    "canonical_scales",
     "check_fa4_args",
     "check_fa4_paged_args",
     "check_nvfp4_buffers",
@@ -334,6 +336,21 @@ def check_fp8_bytes(fn: str, output) -> None:
         raise ArgumentError(f"{fn}: output must be a contiguous 16-byte aligned float8_e4m3fn [T, H*Dv], got {got}")
 
 
+def check_fp8_group_buffers(fn: str, q: Tensor, v: Tensor, ue8m0, divide, output, scales) -> None:
+    """A group FP8 entry point's format arguments (after its generation's ``check_fa4_args``): ``Dv % 128 == 0``,
+    :func:`fusion_pass.kernels.checks.check_fp8_group`, the epilogue's output bytes, scales given."""
+    from fusion_pass.kernels.checks import check_fp8_group
+
+    if v.shape[2] % fp8.GROUP_SIZE:
+        raise ArgumentError(f"{fn}: v's head dim Dv must be divisible by {fp8.GROUP_SIZE} (a head's tile holds whole "
+                            f"128-column groups), got v {list(v.shape)}")
+    check_fp8_group(fn, q, v, ue8m0, divide, output, scales)
+    check_fp8_bytes(fn, output)
+    if scales is None:
+        raise ArgumentError(f"{fn}: scales must be a float32 [T, H*Dv/128] tensor (fusion_pass.fp8.group_scale_buffer)"
+                            f", got None")
+
+
 def unused_o(q: Tensor, dv: int) -> Tensor:
     """FA4's ``mO`` argument of a fused kernel: a ``[T, H, Dv]`` view of ``q`` (FA4 builds its output
     descriptors over it; the NVFP4 output stage never stores through it, so nothing is allocated or written)."""
@@ -342,6 +359,22 @@ def unused_o(q: Tensor, dv: int) -> Tensor:
     if is_fake_mode():  # compile-only: slicing a fake CUDA tensor fails on a CPU-only torch
         return torch.empty((q.shape[0], q.shape[1], dv), dtype=q.dtype, device=q.device)
     return q[..., :dv]
+
+
+def canonical_scales(scales: Tensor) -> Tensor:
+    """A group FP8 kernel's ``[T, G]`` scales (:func:`fusion_pass.fp8.writable_scales`) with their
+    :class:`~fusion_pass.fp8.ScaleLayout`'s strides: the same addresses (only a size-1 dim's stride may change), so
+    that ``stride(0) == 1 and stride(1) != 1`` says column-major. The first rows of a larger column-major buffer
+    (no layout) keep their strides."""
+    layout = fp8.ScaleLayout.of(scales)
+    if layout is None:
+        return scales
+    strides = layout.strides(*scales.shape)
+    if scales.stride() == strides:
+        return scales
+    if is_fake_mode():  # compile-only: a view of a fake CUDA tensor fails on a CPU-only torch
+        return torch.empty_strided(scales.shape, strides, dtype=scales.dtype, device=scales.device)
+    return scales.as_strided(scales.shape, strides)
 
 
 def scale_bytes_of(output_block_scale: Tensor) -> Tensor:

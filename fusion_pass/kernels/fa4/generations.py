@@ -18,7 +18,7 @@ class Generation:
     kernel on such a GPU; if not, the kernel self-checks before its first use) and ``formats`` (the output formats
     whose kernels the run time calls there, by :data:`fusion_pass.formats.FORMATS` name: a format is listed once its
     kernel's GPU byte tests have passed on such a GPU, because the first-use self-check's canary is NVFP4's: SM90's
-    static FP8 epilogue passed them on an H100; SM100's FP8 output stage is compiled only)."""
+    static and 128-column group FP8 epilogues passed them on an H100; SM100's FP8 output stage is compiled only)."""
 
     name: str
     label: str
@@ -30,7 +30,8 @@ class Generation:
 
 
 GENERATIONS: tuple[Generation, ...] = (
-    Generation("sm90", "SM90", (9,), "H100, H200", "sm90_kernel", True, ("nvfp4", "fp8_static")),
+    Generation("sm90", "SM90", (9,), "H100, H200", "sm90_kernel", True,
+               ("nvfp4", "fp8_static", "fp8_group128", "fp8_group128_ue8m0")),
     Generation("sm100", "SM100/SM110", (10, 11), "B200, GB200", "sm100_kernel", False),
 )
 

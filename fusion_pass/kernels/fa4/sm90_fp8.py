@@ -19,13 +19,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fusion_pass import fp8
 from fusion_pass.fp8.checks import check_scale
-from fusion_pass.kernels.checks import check_bool, check_fp8_group, check_fp8_output
+from fusion_pass.kernels.checks import check_bool, check_fp8_output
 from fusion_pass.kernels.fa4 import common
 from fusion_pass.kernels.fa4.sm90 import KERNEL_VERSION, _compile, check_fa4_args
 from fusion_pass.kernels.fa4.sm90_configs import Sm90Config, config_for, seqlen_class
-from fusion_pass.nvfp4.checks import ArgumentError
 
 __all__ = ["FP8_KERNEL_VERSION", "FP8_GROUP_KERNEL_VERSION", "compile_fp8_static_kernel", "compile_fp8_group_kernel",
            "fa4_attention_fp8_static_varlen", "fa4_attention_fp8_group_varlen"]
@@ -33,7 +31,7 @@ __all__ = ["FP8_KERNEL_VERSION", "FP8_GROUP_KERNEL_VERSION", "compile_fp8_static
 FP8_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_static/2"
 """The FP8 kernel's key starts with it and :data:`KERNEL_VERSION`; bump it whenever ``sm90_fp8_kernel.py`` changes."""
 
-FP8_GROUP_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_group/2"
+FP8_GROUP_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_group/3"
 """The group kernel's key starts with it and :data:`KERNEL_VERSION`; bump it whenever ``sm90_fp8_group_kernel.py``
 or its base class's ``sm90_fp8_kernel.py`` changes."""
 
@@ -79,15 +77,6 @@ def fa4_attention_fp8_static_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqle
         kernel(q, k, v, o, out, inv, float(softmax_scale), cu_seqlens, cu_k)
 
 
-def _canonical(scales: Tensor, strides: tuple[int, int]) -> Tensor:
-    """``scales`` with its layout's strides (the same addresses: only the strides of size-1 dims may change)."""
-    if scales.stride() == strides:
-        return scales
-    if common.is_fake_mode():  # compile-only: a view of a fake CUDA tensor fails on a CPU-only torch
-        return torch.empty_strided(scales.shape, strides, dtype=scales.dtype, device=scales.device)
-    return scales.as_strided(scales.shape, strides)
-
-
 def compile_fp8_group_kernel(q, k, v, o, output_bytes, scales, cu_seqlens, cu_seqlens_k, config: Sm90Config, causal,
                              *, ue8m0: bool, divide: bool):
     """The compiled group FP8 kernel (``sm90_fp8_group_kernel.py``) for these tensors and ``config``
@@ -125,19 +114,10 @@ def fa4_attention_fp8_group_varlen(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlen
     :func:`fusion_pass.kernels.fa4.sm90.fa4_attention_varlen`. No launcher yet (checks every call)."""
     fn = "fa4_attention_fp8_group_varlen"
     check_fa4_args(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale, causal, cu_seqlens_k, max_seqlen_k)
-    if v.shape[2] % fp8.GROUP_SIZE:
-        raise ArgumentError(f"{fn}: v's head dim Dv must be divisible by {fp8.GROUP_SIZE} (a head's tile holds whole "
-                            f"128-column groups), got v {list(v.shape)}")
-    check_fp8_group(fn, q, v, ue8m0, divide, output, scales)
-    common.check_fp8_bytes(fn, output)
-    if scales is None:
-        raise ArgumentError(f"{fn}: scales must be a float32 [T, H*Dv/128] tensor (fusion_pass.fp8.group_scale_buffer)"
-                            f", got None")
-    t, g = scales.shape
-    if t == 0:
+    common.check_fp8_group_buffers(fn, q, v, ue8m0, divide, output, scales)
+    if scales.shape[0] == 0:
         return
-    layout = fp8.ScaleLayout.of(scales)
-    canonical = _canonical(scales, layout.strides(t, g))
+    canonical = common.canonical_scales(scales)
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     o, out = common.unused_o(q, v.shape[2]), output.view(torch.uint8)
     cfg = config_for(q.shape[2], v.shape[2], causal, seqlen_class(max_seqlen, max_seqlen_k))

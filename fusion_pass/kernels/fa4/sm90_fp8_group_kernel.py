@@ -47,7 +47,8 @@ from flash_attn.cute import utils as fa_utils
 from fusion_pass.fp8.layout import E4M3_MAX, GROUP_SIZE, SCALE_EPS
 from fusion_pass.kernels.fa4.sm90_fp8_kernel import ELEMS, FlashAttentionForwardSm90Fp8Static
 
-__all__ = ["FlashAttentionForwardSm90Fp8Group", "group_scale", "e4m3x4_group"]
+__all__ = ["FlashAttentionForwardSm90Fp8Group", "abs_max16", "e4m3x4_group", "group_scale", "reciprocal",
+           "scale_of"]
 
 LANES = GROUP_SIZE // ELEMS
 """Threads (consecutive lanes) per 128-column group."""
@@ -59,8 +60,10 @@ def _f32(value: float) -> str:
 
 
 @dsl_user_op
-def _abs_max16(xs, *, loc=None, ip=None) -> Float32:
-    """``max(eps, max_j |x_j|)`` of 16 float32 values with ``max.f32`` (a NaN operand is dropped)."""
+def abs_max16(xs, *, loc=None, ip=None) -> Float32:
+    """``max(eps, max_j |x_j|)`` of 16 float32 values with ``max.f32`` (a NaN operand is dropped). Shared with
+    the SM100 group output stage (``sm100_fp8_group_kernel.py``), as are :func:`scale_of`, :func:`reciprocal` and
+    :func:`e4m3x4_group`."""
     values = [Float32(x).ir_value(loc=loc, ip=ip) for x in xs]
     lines = ["{", ".reg .f32 a, m;", f"mov.f32 m, {_f32(SCALE_EPS)};"]
     for j in range(len(values)):
@@ -70,7 +73,7 @@ def _abs_max16(xs, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def _scale_of(amax, ue8m0: bool, *, loc=None, ip=None) -> Float32:
+def scale_of(amax, ue8m0: bool, *, loc=None, ip=None) -> Float32:
     """``amax / 448`` (``div.rn.f32``), rounded up to a power of two when ``ue8m0`` (``amax`` >= eps, not NaN)."""
     lines = ["{", ".reg .f32 s;", ".reg .b32 b, e;", ".reg .pred p;", f"div.rn.f32 s, $1, {_f32(E4M3_MAX)};"]
     if ue8m0:
@@ -82,7 +85,7 @@ def _scale_of(amax, ue8m0: bool, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def _reciprocal(s, *, loc=None, ip=None) -> Float32:
+def reciprocal(s, *, loc=None, ip=None) -> Float32:
     """``1 / s`` correctly rounded (``rcp.rn.f32``, IEEE; Inf -> 0)."""
     return Float32(llvm.inline_asm(T.f32(), [Float32(s).ir_value(loc=loc, ip=ip)], "rcp.rn.f32 $0, $1;", "=f,f",
                                    loc=loc, ip=ip))
@@ -92,10 +95,10 @@ def group_scale(x: cute.Tensor, ue8m0: bool) -> Float32:
     """The scale of the 128-column group whose 16-element chunk ``x`` (float32 fragment) this lane holds: the
     8 lanes of the group reduce ``max |x|`` by butterfly shuffles (every lane of the warp must call this). Called
     while the epilogue is traced (emits IR; not jitted itself)."""
-    amax = _abs_max16([x[j] for j in range(ELEMS)])
+    amax = abs_max16([x[j] for j in range(ELEMS)])
     for k in range(LANES.bit_length() - 1):
         amax = fa_utils.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1 << k))
-    return _scale_of(amax, ue8m0)
+    return scale_of(amax, ue8m0)
 
 
 @dsl_user_op
@@ -131,7 +134,7 @@ class FlashAttentionForwardSm90Fp8Group(FlashAttentionForwardSm90Fp8Static):
         """The chunk's group scale (every lane: the shuffles need the whole warp), then, for the sequence's rows,
         its 16 FP8 bytes and, from the group's first lane, the float32 scale into ``mScales``."""
         s = group_scale(x, self.ue8m0)
-        factor = s if cutlass.const_expr(self.divide) else _reciprocal(s)
+        factor = s if cutlass.const_expr(self.divide) else reciprocal(s)
         if r_loc < rows_left:
             w0 = e4m3x4_group(x[0], x[1], x[2], x[3], factor, self.divide)
             w1 = e4m3x4_group(x[4], x[5], x[6], x[7], factor, self.divide)

@@ -8,8 +8,10 @@ partial attention with its log-sum-exp (:meth:`Backend.attention_lse`) and the N
 one launch over a paged KV cache (:meth:`Backend.run_paged`).
 
 Which output formats a backend writes, and by which launches, is its ``formats`` attribute (:func:`writes`): every
-backend writes NVFP4 (:meth:`Backend.run_varlen`, the merge, the paged launch); ``reference`` and ``triton`` also
-write static per-tensor FP8 from :meth:`run_varlen_fp8_static` (no merge, no paged launch yet).
+backend writes NVFP4 (:meth:`Backend.run_varlen`, the merge, the paged launch); ``reference`` and ``triton`` (and
+``fa4`` where its GPU generation lists them) also write static per-tensor FP8 (:meth:`run_varlen_fp8_static`) and the
+two FP8 128-column group formats (:meth:`run_varlen_fp8_group`), by the varlen launch only (no merge, no paged launch
+yet): :data:`FP8_WRITER`.
 
 What the rest of the run time needs to know of a backend is an attribute or a method of it (never a comparison of
 its name): the table of backends is :mod:`.registry`.
@@ -22,10 +24,11 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from fusion_pass.formats import FP8_STATIC, NVFP4, OutputFormat
+from fusion_pass.formats import FP8_GROUP128, FP8_GROUP128_UE8M0, FP8_STATIC, NVFP4, OutputFormat
 
-__all__ = ["Backend", "FP8_STATIC_WRITER", "HALF_DTYPES", "KernelBackend", "LAUNCHES", "NVFP4_ONLY",
-           "check_device_dtype", "format_refusal", "fused_prefills", "fuses", "writes"]
+__all__ = ["Backend", "FP8_GROUP_FORMATS", "FP8_STATIC_WRITER", "FP8_WRITER", "HALF_DTYPES", "KernelBackend",
+           "LAUNCHES", "NVFP4_ONLY", "check_device_dtype", "format_refusal", "fp8_group_refusal", "fused_prefills",
+           "fuses", "writes"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -40,6 +43,13 @@ NVFP4_ONLY = {NVFP4.name: frozenset(LAUNCHES)}
 
 FP8_STATIC_WRITER = {**NVFP4_ONLY, FP8_STATIC.name: frozenset({"varlen"})}
 """NVFP4 by every launch, and static per-tensor FP8 by the varlen launch (:meth:`Backend.run_varlen_fp8_static`)."""
+
+FP8_GROUP_FORMATS = (FP8_GROUP128, FP8_GROUP128_UE8M0)
+"""The FP8 128-column group formats (float32 scales, plain or UE8M0), both written by ``run_varlen_fp8_group``."""
+
+FP8_WRITER = {**FP8_STATIC_WRITER, **{f.name: frozenset({"varlen"}) for f in FP8_GROUP_FORMATS}}
+""":data:`FP8_STATIC_WRITER` and both FP8 group formats by the varlen launch (``run_varlen_fp8_group``, its arguments
+in :class:`Backend`'s list of optional members)."""
 
 
 @runtime_checkable
@@ -60,8 +70,13 @@ class Backend(Protocol):
     # call on CUDA (None or absent: the layer's PyTorch runtime computes it)
     # optional ``kv_dtype``: the dtype the row plan gives keys and values in (default: the query's)
     # optional ``formats``: ``{format name: launches}`` it writes (:func:`writes`; default :data:`NVFP4_ONLY`), with
-    # ``run_varlen_<format>`` for each format but NVFP4 written by the varlen launch (``run_varlen_fp8_static``:
-    # :meth:`KernelBackend.run_varlen_fp8_static`'s arguments)
+    # a varlen launch for each format but NVFP4 it lists, both writing rows ``[cu_seqlens[0], cu_seqlens[-1])`` of
+    # ``output`` (float8_e4m3fn ``[T, H*Dv]``) and no other byte, sequences and keys as :meth:`run_varlen`'s:
+    # ``run_varlen_fp8_static(q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, scale, *, cu_seqlens_k=None,
+    # max_seqlen_k=None, scale_is_inverse=False, nan=NaNRule.POSITIVE_MAX)`` (``scale`` float32 ``[1]``) and, for
+    # both group formats, ``run_varlen_fp8_group(q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, scales, *,
+    # cu_seqlens_k=None, max_seqlen_k=None, ue8m0=False, divide=False)`` (``scales`` float32 ``[T, H*Dv/128]`` in
+    # any :class:`fusion_pass.fp8.ScaleLayout`, the same rows written, a TMA layout's padding not)
     # optional self-check (:mod:`fusion_pass.runtime.self_check`): ``self_check_needed(device) -> (bool, why)``
     # and ``canary(device, dtype, num_heads, qk_head_dim, v_head_dim) -> (passed, detail)``
 
@@ -147,6 +162,14 @@ def format_refusal(backend: Backend, output_format: OutputFormat) -> str | None:
         return None
     written = ", ".join(sorted(getattr(backend, "formats", NVFP4_ONLY)))
     return f"{backend.name} has no {output_format.name} kernel (it writes {written})"
+
+
+def fp8_group_refusal(output_format: OutputFormat, num_heads: int, v_head_dim: int) -> str | None:
+    """Why a fused kernel cannot write ``output_format`` for ``num_heads`` heads of ``v_head_dim`` values when it is
+    one of :data:`FP8_GROUP_FORMATS` (its :meth:`~fusion_pass.formats.OutputFormat.refusal`: a head's tile holds
+    whole 128-column groups, ``v_head_dim % 128 == 0``), else None (each backend checks NVFP4 its own way; static FP8
+    takes any width)."""
+    return output_format.refusal(num_heads, v_head_dim) if output_format in FP8_GROUP_FORMATS else None
 
 
 def fuses(backend: Backend, context_len: int) -> bool:

@@ -18,8 +18,8 @@ from fusion_pass.kernels import launchers
 from fusion_pass.kernels.fa4 import common as fa4_common
 from fusion_pass.kernels.fa4 import forward, generations
 from fusion_pass.runtime.backends import canary
-from fusion_pass.runtime.backends.base import (FP8_STATIC_WRITER, HALF_DTYPES, NVFP4_ONLY, KernelBackend,
-                                               check_device_dtype)
+from fusion_pass.runtime.backends.base import (FP8_WRITER, HALF_DTYPES, NVFP4_ONLY, KernelBackend,
+                                               check_device_dtype, fp8_group_refusal)
 
 __all__ = ["FA4Backend", "fa4_status"]
 
@@ -88,16 +88,23 @@ class FA4Backend(KernelBackend):
 
     @property
     def formats(self) -> dict:
-        """NVFP4 by every launch; static FP8 by the varlen launch where the current device's generation has FA4's
-        FP8 kernel (:data:`fusion_pass.kernels.fa4.generations.GENERATIONS`' ``formats``: SM90)."""
+        """NVFP4 by every launch; static FP8 and the FP8 group formats by the varlen launch where the current
+        device's generation lists them (:data:`fusion_pass.kernels.fa4.generations.GENERATIONS`' ``formats``: SM90),
+        as :data:`~fusion_pass.runtime.backends.base.FP8_WRITER` says."""
         generation = generations.for_arch(device_arch(None))
-        return FP8_STATIC_WRITER if generation is not None and "fp8_static" in generation.formats else NVFP4_ONLY
+        if generation is None:
+            return NVFP4_ONLY
+        return {name: launches for name, launches in FP8_WRITER.items() if name in generation.formats}
 
     def supports(self, device, dtype, num_heads, qk_head_dim, v_head_dim, output_format=None) -> tuple[bool, str]:
-        """FA4's head dims for every format it writes (``output_format`` changes nothing)."""
+        """FA4's head dims for every format it writes, and for the FP8 group formats ``v_head_dim % 128 == 0`` (a
+        head's tile holds whole 128-column groups)."""
         ok, why = check_device_dtype(self.name, device, dtype, HALF_DTYPES)
         if not ok:
             return ok, why
+        why = None if output_format is None else fp8_group_refusal(output_format, num_heads, v_head_dim)
+        if why:
+            return False, why
         return forward.fa4_usable(device, dtype, num_heads, qk_head_dim, v_head_dim)
 
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
@@ -129,6 +136,20 @@ class FA4Backend(KernelBackend):
             output=output.view(output.shape[0], -1), inv_scale=inv.reshape(1),
             nan_to_max=rule is fp8.NaNRule.POSITIVE_MAX, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_k=max_seqlen_k)
+
+    def run_varlen_fp8_group(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, scales, *,
+                             cu_seqlens_k=None, max_seqlen_k=None, ue8m0=False, divide=False) -> None:
+        """FA4's SM90 forward with the 128-column group FP8 epilogue
+        (:func:`fusion_pass.kernels.fa4.sm90_fp8.fa4_attention_fp8_group_varlen`) into rows ``[cu_seqlens[0],
+        cu_seqlens[-1])`` of ``output`` (contiguous float8_e4m3fn, ``T * H*Dv`` elements) and of ``scales`` (float32
+        ``[T, H*Dv/128]``, any :class:`fusion_pass.fp8.ScaleLayout`): the bytes and scales of ``fp8.quantize_group``
+        of FA4's own query-dtype output; no other byte or scale is touched, nor a TMA layout's padding."""
+        from fusion_pass.kernels.fa4 import sm90_fp8
+
+        sm90_fp8.fa4_attention_fp8_group_varlen(
+            q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
+            output=output.view(output.shape[0], -1), scales=scales, ue8m0=ue8m0, divide=divide,
+            cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k)
 
     def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
                   softmax_scale, output, output_scale, output_block_scale) -> None:

@@ -8,7 +8,7 @@ import torch
 from fusion_pass import fp8, nvfp4
 from fusion_pass.formats import NVFP4
 from fusion_pass.kernels import launchers, reference
-from fusion_pass.runtime.backends.base import FP8_STATIC_WRITER, KernelBackend
+from fusion_pass.runtime.backends.base import FP8_WRITER, KernelBackend, fp8_group_refusal
 
 __all__ = ["ReferenceBackend"]
 
@@ -26,7 +26,7 @@ class ReferenceBackend(KernelBackend):
     handles_context = True
     handles_paged = True  # run_paged: the keys gathered through the page table, then as run_varlen
     kv_dtype = torch.float32  # keys and values as the layer's runtime computes them: no rounding to q's dtype
-    formats = FP8_STATIC_WRITER  # NVFP4 by every launch; static FP8 by run_varlen_fp8_static
+    formats = FP8_WRITER  # NVFP4 by every launch; static FP8 and FP8 groups by run_varlen_fp8_static / _group
 
     def available(self) -> tuple[bool, str]:
         return True, "PyTorch float32 attention + nvfp4.quantize, any device"
@@ -41,7 +41,8 @@ class ReferenceBackend(KernelBackend):
             return False, f"reference supports float16, bfloat16 and float32 queries, got {dtype}"
         if output_format is NVFP4 and (num_heads * v_head_dim) % nvfp4.BLOCK_SIZE != 0:
             return False, f"num_heads * v_head_dim = {num_heads * v_head_dim} is not divisible by 16"
-        return True, "ok"
+        why = fp8_group_refusal(output_format, num_heads, v_head_dim)
+        return (False, why) if why else (True, "ok")
 
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
                    output_block_scale, *, cu_seqlens_k=None, max_seqlen_k=None) -> None:
@@ -63,12 +64,21 @@ class ReferenceBackend(KernelBackend):
         cu_seqlens[-1])`` of ``output`` (float8_e4m3fn ``[T, H*Dv]``): :func:`fusion_pass.fp8.quantize_static` of it
         under ``1 / scale`` (``scale`` float32 ``[1]``, the checkpoint's; with ``scale_is_inverse`` the inverse
         itself), a NaN as ``nan`` says. No other row is touched. Reads ``cu_seqlens`` back (CPU-speed path)."""
-        a, b = int(cu_seqlens[0]), int(cu_seqlens[-1])
-        if cu_seqlens_k is None:  # keys at the queries' rows
-            k, v = k[a:b], v[a:b]
-        out32 = reference.varlen_attention(q[a:b], k, v, cu_seqlens - a, True, softmax_scale, cu_seqlens_k)[0]
+        a, b, out32 = _attention_rows(q, k, v, cu_seqlens, softmax_scale, cu_seqlens_k)
         inv = scale if scale_is_inverse else fp8.reciprocal(scale)
-        output.view(torch.uint8)[a:b] = fp8.quantize_static(out32.reshape(b - a, -1), inv, nan=nan).view(torch.uint8)
+        output.view(torch.uint8)[a:b] = fp8.quantize_static(out32, inv, nan=nan).view(torch.uint8)
+
+    def run_varlen_fp8_group(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, scales, *,
+                             cu_seqlens_k=None, max_seqlen_k=None, ue8m0=False, divide=False) -> None:
+        """float32 attention per sequence, written as FP8 with one dynamic scale per row and 128 columns into rows
+        ``[cu_seqlens[0], cu_seqlens[-1])`` of ``output`` (float8_e4m3fn ``[T, H*Dv]``) and of ``scales`` (float32
+        ``[T, H*Dv/128]``, any :class:`fusion_pass.fp8.ScaleLayout`): :func:`fusion_pass.fp8.quantize_group` of it
+        (``ue8m0``, ``divide`` as there; a NaN -448). No other row is touched, nor a TMA layout's padding. Reads
+        ``cu_seqlens`` back (CPU-speed path)."""
+        a, b, out32 = _attention_rows(q, k, v, cu_seqlens, softmax_scale, cu_seqlens_k)
+        codes, group_scales = fp8.quantize_group(out32, ue8m0=ue8m0, divide=divide)
+        output.view(torch.uint8)[a:b] = codes.view(torch.uint8)
+        scales[a:b] = group_scales
 
     def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
                   softmax_scale, output, output_scale, output_block_scale) -> None:
@@ -78,3 +88,14 @@ class ReferenceBackend(KernelBackend):
             q, k_cache, v_cache, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, seqused_k=seqused_k,
             page_table=page_table, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, causal=True,
             output=output.view(torch.uint8), output_scale=output_scale, output_block_scale=output_block_scale)
+
+
+def _attention_rows(q, k, v, cu_seqlens, softmax_scale, cu_seqlens_k) -> tuple[int, int, torch.Tensor]:
+    """``(a, b, out)``: the rows ``[a, b) = [cu_seqlens[0], cu_seqlens[-1])`` of the sequences and their float32
+    causal attention ``out [b - a, H*Dv]`` (keys: ``cu_seqlens_k``'s rows of ``k``/``v``, else the queries' own
+    rows). Reads ``cu_seqlens`` back."""
+    a, b = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if cu_seqlens_k is None:  # keys at the queries' rows
+        k, v = k[a:b], v[a:b]
+    out32 = reference.varlen_attention(q[a:b], k, v, cu_seqlens - a, True, softmax_scale, cu_seqlens_k)[0]
+    return a, b, out32.reshape(b - a, -1)

@@ -13,7 +13,8 @@ import torch
 from fusion_pass import fp8, nvfp4
 from fusion_pass.formats import NVFP4
 from fusion_pass.kernels import launchers
-from fusion_pass.runtime.backends.base import FP8_STATIC_WRITER, HALF_DTYPES, KernelBackend, check_device_dtype
+from fusion_pass.runtime.backends.base import (FP8_WRITER, HALF_DTYPES, KernelBackend, check_device_dtype,
+                                               fp8_group_refusal)
 
 __all__ = ["TRITON_KERNEL_MODULE", "TritonBackend", "triton_availability"]
 
@@ -70,7 +71,7 @@ class TritonBackend(KernelBackend):
     half_attention = staticmethod(launchers.triton_attention_half_varlen)  # the Triton kernel in the query dtype
     handles_context = True  # keys context + new tokens (cu_seqlens_k), see run_prefills
     handles_paged = True  # run_paged: the Triton kernel reading keys and values through the page table
-    formats = FP8_STATIC_WRITER  # NVFP4 by every launch; static FP8 by run_varlen_fp8_static (its FP8 epilogue)
+    formats = FP8_WRITER  # NVFP4 by every launch; static FP8 and FP8 groups by run_varlen_fp8_* (its FP8 epilogues)
 
     def available(self) -> tuple[bool, str]:
         return triton_status()
@@ -89,7 +90,8 @@ class TritonBackend(KernelBackend):
             return ok, why
         if output_format is NVFP4 and v_head_dim % nvfp4.BLOCK_SIZE != 0:
             return False, f"triton's NVFP4 epilogue needs v_head_dim divisible by 16, got {v_head_dim}"
-        return True, "ok"
+        why = fp8_group_refusal(output_format, num_heads, v_head_dim)
+        return (False, why) if why else (True, "ok")
 
     def run_varlen(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, output_scale,
                    output_block_scale, *, cu_seqlens_k=None, max_seqlen_k=None) -> None:
@@ -107,6 +109,18 @@ class TritonBackend(KernelBackend):
         launchers.flash_attention_fp8_static_varlen(
             q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
             output=output, scale=scale, scale_is_inverse=scale_is_inverse, nan=nan, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_k=max_seqlen_k)
+
+    def run_varlen_fp8_group(self, q, k, v, cu_seqlens, max_seqlen, softmax_scale, output, scales, *,
+                             cu_seqlens_k=None, max_seqlen_k=None, ue8m0=False, divide=False) -> None:
+        """The Triton kernel's 128-column group FP8 epilogue
+        (:func:`fusion_pass.kernels.launchers.flash_attention_fp8_group_varlen`) into rows ``[cu_seqlens[0],
+        cu_seqlens[-1])`` of ``output`` (float8_e4m3fn ``[T, H*Dv]``) and of ``scales`` (float32 ``[T, H*Dv/128]``,
+        any :class:`fusion_pass.fp8.ScaleLayout`): :func:`fusion_pass.fp8.quantize_group` of the kernel's own
+        float32 output; no other byte or scale is touched, nor a TMA layout's padding."""
+        launchers.flash_attention_fp8_group_varlen(
+            q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, softmax_scale=softmax_scale, causal=True,
+            output=output, output_scales=scales, ue8m0=ue8m0, divide=divide, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_k=max_seqlen_k)
 
     def run_paged(self, q, k_cache, v_cache, cu_seqlens, max_seqlen, seqused_k, page_table, max_seqlen_k,
