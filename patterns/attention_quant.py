@@ -23,7 +23,9 @@ Two graph forms, each written for MLA and for standard attention:
   ``custom_ops="none"``). The replacement hands the attention op the graph's reciprocal of the scale as
   ``output_inv_scale`` (:mod:`fusion_pass.compile.native_match`).
 
-The ``*_fp8_static_quant`` entries are the op form for static per-tensor FP8 (``static_scaled_fp8_quant``).
+The ``*_fp8_static_quant`` entries are the op form for static per-tensor FP8 (``static_scaled_fp8_quant``); the
+``*_fp8_group_quant`` entries FP8 with 128-column groups (``per_token_group_fp8_quant``, plain or UE8M0 scales in
+any of vLLM's three scale layouts): the fused call writes the codes and the scales into the quant's buffers.
 
 Shapes (T tokens, H heads, Dv = v_head_dim):
 ``output`` [T, H*Dv] (MLA) or [T, H, Dv] (standard) in the query dtype;
@@ -39,6 +41,8 @@ from typing import Callable
 import torch
 
 from fusion_pass.fp8 import E4M3_MAX as FP8_MAX
+from fusion_pass.fp8 import GROUP_SIZE as FP8_GROUP
+from fusion_pass.fp8 import SCALE_EPS as FP8_EPS
 from fusion_pass.nvfp4 import BLOCK_SIZE
 
 # The bridge between the two ops' names: the quant op's ``output`` / ``output_scale`` are the packed codes and
@@ -129,6 +133,39 @@ def attention_fp8_native_replacement(ops, q, k, v, output, quant_out, scale, lay
     return (quant_out,)
 
 
+# ---------------------------------------------------------------- FP8 128-column groups (``per_token_group_fp8_quant``)
+# The quant's flags (UE8M0, the scale layout) are constants of each call; the traced replacement is written with
+# the defaults and the rewrite gives the fused call the matched call's values (``QuantForm.forwards``).
+
+
+def _fp8_group_quant(ops, x, quant_out, quant_scales):
+    ops.fp8_group_quant(x, quant_out, quant_scales, FP8_GROUP, FP8_EPS, -FP8_MAX, FP8_MAX, False, False, False)
+
+
+def mla_fp8_group_pattern(ops, q, kv_c_normed, k_pe, output, quant_out, quant_scales, layer_name):
+    ops.mla_attention(q, kv_c_normed, k_pe, output, layer_name)
+    _fp8_group_quant(ops, output, quant_out, quant_scales)
+    return quant_out, quant_scales
+
+
+def mla_fp8_group_replacement(ops, q, kv_c_normed, k_pe, output, quant_out, quant_scales, layer_name):
+    ops.writing_quantized("mla_attention")(q, kv_c_normed, k_pe, quant_out, layer_name,
+                                           output_block_scale=quant_scales, quant_group_size=FP8_GROUP)
+    return quant_out, quant_scales
+
+
+def attention_fp8_group_pattern(ops, q, k, v, output, quant_out, quant_scales, layer_name):
+    ops.attention(q, k, v, output, layer_name)
+    _fp8_group_quant(ops, output.reshape(output.shape[0], -1), quant_out, quant_scales)
+    return quant_out, quant_scales
+
+
+def attention_fp8_group_replacement(ops, q, k, v, output, quant_out, quant_scales, layer_name):
+    ops.writing_quantized("attention")(q, k, v, quant_out, layer_name, output_block_scale=quant_scales,
+                                       quant_group_size=FP8_GROUP)
+    return quant_out, quant_scales
+
+
 # ---------------------------------------------------------------- already quantized by another pass
 
 
@@ -177,6 +214,37 @@ def mla_fp8_static_example_inputs():
 
 def attention_fp8_static_example_inputs():
     return (*attention_example_inputs()[:4], *_fp8_static_buffers(_H * _DV))
+
+
+_GROUP_DV = 64  # two heads of 64: one 128-column group
+
+
+def _fp8_group_buffers():
+    width = _H * _GROUP_DV
+    return (torch.empty(_T, width, dtype=torch.float8_e4m3fn),
+            torch.empty(_T, width // FP8_GROUP, dtype=torch.float32))
+
+
+def mla_fp8_group_example_inputs():
+    nope, rope, lora = 16, 8, 32
+    return (torch.randn(_T, _H, nope + rope, dtype=torch.bfloat16), torch.randn(_T, lora, dtype=torch.bfloat16),
+            torch.randn(_T, 1, rope, dtype=torch.bfloat16), torch.empty(_T, _H * _GROUP_DV, dtype=torch.bfloat16),
+            *_fp8_group_buffers())
+
+
+def attention_fp8_group_example_inputs():
+    d, hkv = 16, 1
+    return (torch.randn(_T, _H, d, dtype=torch.bfloat16), torch.randn(_T, hkv, d, dtype=torch.bfloat16),
+            torch.randn(_T, hkv, _GROUP_DV, dtype=torch.bfloat16),
+            torch.empty(_T, _H, _GROUP_DV, dtype=torch.bfloat16), *_fp8_group_buffers())
+
+
+def v_head_dim_fits_fp8_groups(shape) -> str | None:
+    """The fused epilogue computes a group's scale inside one head's tile: a head must span whole 128-column
+    groups."""
+    if shape.v_head_dim % FP8_GROUP:
+        return "v_head_dim_not_multiple_of_128"
+    return None
 
 
 def any_head_dim(shape) -> str | None:
@@ -238,4 +306,10 @@ PATTERNS: tuple[AttentionQuantPattern, ...] = (
     AttentionQuantPattern("attention_fp8_static_native", "attention", ("q", "k", "v"),
                           attention_fp8_native_pattern, attention_fp8_native_replacement,
                           attention_fp8_static_example_inputs, any_head_dim, "fp8_static", "native"),
+    AttentionQuantPattern("mla_attention_fp8_group_quant", "mla_attention", ("q", "kv_c_normed", "k_pe"),
+                          mla_fp8_group_pattern, mla_fp8_group_replacement, mla_fp8_group_example_inputs,
+                          v_head_dim_fits_fp8_groups, "fp8_group128"),
+    AttentionQuantPattern("attention_fp8_group_quant", "attention", ("q", "k", "v"),
+                          attention_fp8_group_pattern, attention_fp8_group_replacement,
+                          attention_fp8_group_example_inputs, v_head_dim_fits_fp8_groups, "fp8_group128"),
 )

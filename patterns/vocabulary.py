@@ -25,16 +25,19 @@ class QuantForm:
     passes on as the attention op's ``output_scale`` (NVFP4's global scale, FP8's static scale); ``gemm_scale``:
     the argument (a buffer or ``scale_input``) whose value a GEMM of the format must read as its scale;
     ``requires``: ``(argument, accepted values, reason)``: a call whose argument has another value (or one
-    known only at run time) is refused with ``reason``.
+    known only at run time) is refused with ``reason``; ``forwards``: ``(argument, attention op argument)``: the
+    quant's arguments the fused call takes under the attention op's name (FP8 groups: the group size, UE8M0 and the
+    scale layout flags). ``scale_input`` None: the format has no scale input (dynamic scales).
     """
 
     format: str
     op: OpOverload
     input: str
     buffers: tuple[str, ...]
-    scale_input: str
+    scale_input: str | None
     gemm_scale: str
     requires: tuple[tuple[str, tuple, str], ...] = ()
+    forwards: tuple[tuple[str, str], ...] = ()
 
     def refusal(self, args: dict) -> str | None:
         """The reason a call with ``args`` (argument name -> value or graph node) is refused, or None."""
@@ -44,6 +47,23 @@ class QuantForm:
 
         return next((reason for name, accepted, reason in self.requires
                      if isinstance(args.get(name), torch.fx.Node) or value(name) not in accepted), None)
+
+
+FP8_GROUP_REQUIRES = (
+    ("group_size", (128,), "fp8_group_size_not_128"),
+    ("eps", (1e-10,), "fp8_group_eps_not_1e-10"),
+    ("fp8_min", (-448.0,), "fp8_group_range_not_e4m3"),
+    ("fp8_max", (448.0,), "fp8_group_range_not_e4m3"),
+    ("scale_ue8m0", (False, True), "fp8_group_ue8m0_not_constant"),
+    ("dummy_is_scale_transposed", (False, True), "fp8_group_layout_flag_not_constant"),
+    ("dummy_is_tma_aligned", (False, True), "fp8_group_layout_flag_not_constant"),
+)
+"""What a ``per_token_group_fp8_quant`` call must say for the fused call to write its bytes: 128-column groups,
+vLLM's ``eps`` and e4m3 range, and constant flags (forwarded to the fused call)."""
+
+FP8_GROUP_FORWARDS = (("group_size", "quant_group_size"), ("scale_ue8m0", "quant_scale_ue8m0"),
+                      ("dummy_is_scale_transposed", "quant_col_major"), ("dummy_is_tma_aligned", "quant_tma_aligned"))
+"""The group quant's arguments the fused call takes, under vLLM's MLA attention op's names."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +122,9 @@ class OpVocabulary:
     silently skipped); ``refused_quants`` are ``(op, reason)``: NVFP4 quant ops
     writing a layout the fused call does not write (e.g. 8x4 scales), refused
     with their reason. ``fp8_static_quant`` / ``fp8_static_gemms``: the same for
-    static per-tensor FP8 (``static_scaled_fp8_quant``'s schema); None / empty:
-    the vocabulary does not fuse that format. :meth:`quant_form` and
+    static per-tensor FP8 (``static_scaled_fp8_quant``'s schema), ``fp8_group_quant`` /
+    ``fp8_group_gemms`` for FP8 128-column groups (``per_token_group_fp8_quant``'s schema; the format
+    ``fp8_group128``, its UE8M0 scales forwarded); None / empty: the vocabulary does not fuse that format. :meth:`quant_form` and
     :meth:`gemm_forms` give a format's ops by the format's name.
     """
 
@@ -118,6 +139,8 @@ class OpVocabulary:
     fused_mla_attention: OpOverload | None = None
     fp8_static_quant: OpOverload | None = None
     fp8_static_gemms: tuple[GemmForm, ...] = field(default=())
+    fp8_group_quant: OpOverload | None = None
+    fp8_group_gemms: tuple[GemmForm, ...] = field(default=())
 
     def quant_form(self, fmt: str) -> QuantForm | None:
         """The quant op of format ``fmt`` in this vocabulary, as a :class:`QuantForm` (None: not bound here)."""
@@ -127,16 +150,20 @@ class OpVocabulary:
         if fmt == "fp8_static" and self.fp8_static_quant is not None:
             return QuantForm("fp8_static", self.fp8_static_quant, "input", ("result",), "scale", "scale",
                              (("group_shape", (None, (-1, -1)), "fp8_static_quant_is_grouped"),))
+        if fmt == "fp8_group128" and self.fp8_group_quant is not None:
+            return QuantForm("fp8_group128", self.fp8_group_quant, "input", ("output_q", "output_s"), None,
+                             "output_s", FP8_GROUP_REQUIRES, FP8_GROUP_FORWARDS)
         return None
 
     def gemm_forms(self, fmt: str) -> tuple[GemmForm, ...]:
         """The GEMM forms of format ``fmt`` a match must end in."""
-        return {"nvfp4": self.nvfp4_gemms, "fp8_static": self.fp8_static_gemms}.get(fmt, ())
+        return {"nvfp4": self.nvfp4_gemms, "fp8_static": self.fp8_static_gemms,
+                "fp8_group128": self.fp8_group_gemms}.get(fmt, ())
 
     def foreign_quants(self, fmt: str) -> tuple[OpOverload, ...]:
         """The quant ops a match of format ``fmt`` refuses as another format's (``quant_is_another_format``):
         ``other_quants`` and the quant ops of the other formats this vocabulary binds."""
-        bound = (self.quant_form(f) for f in ("nvfp4", "fp8_static") if f != fmt)
+        bound = (self.quant_form(f) for f in ("nvfp4", "fp8_static", "fp8_group128") if f != fmt)
         return self.other_quants + tuple(form.op for form in bound if form is not None and form.op is not None)
 
     @property
@@ -167,7 +194,9 @@ class OpVocabulary:
 
 def fusion_pass_vocabulary() -> OpVocabulary:
     """The project's own ``torch.ops.fusion_pass`` library: its NVFP4 GEMM form is ``fusion_pass::nvfp4_gemm``, its
-    static FP8 quant ``fusion_pass::static_scaled_fp8_quant`` (vLLM's schema) and its FP8 GEMM ``aten::_scaled_mm``."""
+    static FP8 quant ``fusion_pass::static_scaled_fp8_quant`` (vLLM's schema) and its FP8 GEMM ``aten::_scaled_mm``,
+    its group FP8 quant ``fusion_pass::per_token_group_fp8_quant`` (vLLM's schema) and GEMM
+    ``fusion_pass::fp8_group_gemm``."""
     import fusion_pass.ops  # noqa: F401  (registers the ops)
 
     ops = torch.ops.fusion_pass
@@ -178,9 +207,12 @@ def fusion_pass_vocabulary() -> OpVocabulary:
         nvfp4_quant=ops.scaled_fp4_quant.out,
         nvfp4_gemms=(GemmForm("fusion_pass::nvfp4_gemm", ops.nvfp4_gemm.default, "a", "block_scale_a",
                               emitted_by=("fusion_pass.demo.layers.NVFP4Linear",)),),
-        other_quants=(ops.per_token_group_fp8_quant.default,),
         fp8_static_quant=ops.static_scaled_fp8_quant.default,
         fp8_static_gemms=(GemmForm("aten::_scaled_mm", torch.ops.aten._scaled_mm.default, "self", "scale_a",
                                    emitted_by=("torch._scaled_mm (vLLM's per-tensor FP8 fallback linear)",),
                                    format="fp8_static"),),
+        fp8_group_quant=ops.per_token_group_fp8_quant.default,
+        fp8_group_gemms=(GemmForm("fusion_pass::fp8_group_gemm", ops.fp8_group_gemm.default, "a", "a_scales",
+                                  emitted_by=("a block-FP8 o_proj (DeepSeek-style checkpoints)",),
+                                  format="fp8_group128"),),
     )

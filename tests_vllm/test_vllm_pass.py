@@ -51,10 +51,15 @@ def test_vllm_vocabulary_names_vllm_ops_and_our_run_time_ops():
         assert vocab.nvfp4_quant is torch.ops.fusion_pass.scaled_fp4_quant.out
         assert vocab.nvfp4_gemm is torch.ops.fusion_pass.nvfp4_gemm.default
     # our ops mirror vLLM's schemas argument for argument (kv_cache_dummy_dep, layer_name's type, ...), then take
-    # the project's own last argument (static FP8 in the native form)
-    for ours, theirs in ((vocab.fused_attention, vocab.attention), (vocab.fused_mla_attention, vocab.mla_attention)):
+    # the project's own last arguments: the standard op the MLA op's group-FP8 arguments (vLLM's has none), both the
+    # static FP8 native form's inverse scale
+    group = [("quant_group_size", "Optional[int]"), ("quant_scale_ue8m0", "Optional[bool]"),
+             ("quant_col_major", "Optional[bool]"), ("quant_tma_aligned", "Optional[bool]")]
+    for ours, theirs, own in ((vocab.fused_attention, vocab.attention, group),
+                              (vocab.fused_mla_attention, vocab.mla_attention, [])):
         assert [(a.name, str(a.type)) for a in ours._schema.arguments] == \
-               [(a.name, str(a.type)) for a in theirs._schema.arguments] + [("output_inv_scale", "Optional[Tensor]")]
+               [(a.name, str(a.type)) for a in theirs._schema.arguments] + own + [("output_inv_scale",
+                                                                                  "Optional[Tensor]")]
         assert vocab.writes_native("attention" if ours is vocab.fused_attention else "mla_attention")
 
 

@@ -335,6 +335,17 @@ ENTRIES = (
     Statements("vllm.utils.flashinfer.flashinfer_scaled_fp8_mm", statements=("a.unsqueeze(0)",)),  # A: a view
     Calls(f"{SCALED_MM_KERNELS}.pytorch.PerTensorTorchFP8ScaledMMLinearKernel", callee="torch._scaled_mm"),
 
+    # fusion_pass/vllm/compile/vocabulary.py: the group FP8 GEMM forms (VLLM_FP8_GROUP_GEMM_FORMS); the quant,
+    # _C::per_token_group_fp8_quant, with its schema above, called with the scales in the layout the kernel asks for
+    OpSchema("vllm::fp8_gemm_nt_op", has=("q_input", "input_scale")),
+    Calls(f"{SCALED_MM_KERNELS}.deep_gemm.DeepGemmFp8BlockScaledMMKernel", callee="torch.ops.vllm.fp8_gemm_nt_op"),
+    Calls(f"{SCALED_MM_KERNELS}.cutlass.CutlassFp8BlockScaledMMKernel", callee="ops.cutlass_scaled_mm"),
+    # a checkpoint with blocked weights gets +quant_fp8: the quant is the op, not QuantFP8's native form
+    Statements("vllm.config.vllm.VllmConfig", statements=('custom_ops.append("+quant_fp8")',)),
+    Statements("vllm.model_executor.layers.quantization.utils.fp8_utils.per_token_group_quant_fp8",
+               statements=("torch.ops._C.per_token_group_fp8_quant(x, x_q, x_s, group_size, eps, fp8_min, fp8_max, "
+                           "use_ue8m0, column_major_scales, tma_aligned_scales,)",)),
+
     # tests_vllm/ (the engine suite, run on vLLM's CPU build): what it imports and calls
     Function("vllm.config.set_current_vllm_config"),
     Constant("vllm.config.CompilationMode.VLLM_COMPILE", value=3),

@@ -24,16 +24,21 @@ ADAPTERS = "fusion_pass/vllm/adapters"
 PROJECT_ARGS = ("output_inv_scale",)
 """The fused ops' own trailing arguments after vLLM's (optional; static FP8 in the native form: docs/formats.md)."""
 
+STANDARD_PROJECT_ARGS = ("quant_group_size", "quant_scale_ue8m0", "quant_col_major", "quant_tma_aligned",
+                         *PROJECT_ARGS)
+"""The fused standard op's own trailing arguments: vLLM's MLA op's group-FP8 arguments (vLLM's standard op has none),
+then :data:`PROJECT_ARGS`."""
 
-def _fused_op(function: str) -> str:
+
+def _fused_op(function: str, own_args: tuple[str, ...] = PROJECT_ARGS) -> str:
     """The schema of a fused op function of :data:`ATTENTION_OP`, with the arguments it registers as mutated, less its
-    own trailing arguments (:data:`PROJECT_ARGS`, checked to be last and optional)."""
+    own trailing arguments (``own_args``, checked to be last and optional)."""
     (mutated,) = project.keyword_strings(ATTENTION_OP, "direct_register_custom_op", "mutates_args")
     args = args_of(project.function(ATTENTION_OP, function), mutated)
-    own = args[len(args) - len(PROJECT_ARGS):]
-    assert tuple(a.name for a in own) == PROJECT_ARGS and all(a.default == "None" for a in own), \
-        f"{function}: its last arguments must be {PROJECT_ARGS}, each defaulting to None"
-    return render(args[:len(args) - len(PROJECT_ARGS)])
+    own = args[len(args) - len(own_args):]
+    assert tuple(a.name for a in own) == own_args and all(a.default == "None" for a in own), \
+        f"{function}: its last arguments must be {own_args}, each defaulting to None"
+    return render(args[:len(args) - len(own_args)])
 
 
 def _mla_forms() -> dict[tuple[str, ...], str]:
@@ -45,7 +50,7 @@ def _mla_forms() -> dict[tuple[str, ...], str]:
 
 
 def test_standard_op_args_are_the_fused_ops():
-    assert render(parse(names.STANDARD_OP_ARGS)) == _fused_op("vllm_attention_nvfp4")
+    assert render(parse(names.STANDARD_OP_ARGS)) == _fused_op("vllm_attention_nvfp4", STANDARD_PROJECT_ARGS)
 
 
 @pytest.mark.parametrize("release", project.releases().RELEASES, ids=lambda r: r.line)
@@ -104,10 +109,11 @@ def test_gemm_forms_are_the_projects():
         assert f"{namespace}::{op}" in schemas
 
 
-def test_fp8_static_gemm_forms_are_the_projects():
-    """Every form of ``VLLM_FP8_STATIC_GEMM_FORMS``: its kernel class is checked (it calls the form's op, or vLLM's
+@pytest.mark.parametrize("table", ["VLLM_FP8_STATIC_GEMM_FORMS", "VLLM_FP8_GROUP_GEMM_FORMS"])
+def test_fp8_gemm_forms_are_the_projects(table):
+    """Every form of the FP8 GEMM form tables: its kernel class is checked (it calls the form's op, or vLLM's
     wrapper of it), its op has the activation and scale arguments the form names."""
-    forms = project.constant(VOCABULARY, "VLLM_FP8_STATIC_GEMM_FORMS")
+    forms = project.constant(VOCABULARY, table)
     schemas, calls = _by_name(OpSchema), _by_name(Calls)
     assert forms
     for name, (namespace, op, overload, activation, scale), kernel in forms:

@@ -181,6 +181,35 @@ def byte_readers(node: Node, zero_padding: bool = False, depth: int = 8) -> list
     return found
 
 
+SCATTERS = {aten.slice_scatter.default, aten.select_scatter.default, aten.as_strided_scatter.default}
+"""Functionalization's write-back of a mutated view into its base: the value written is the second argument."""
+
+
+def seen_through_views(node, source: Node, depth: int = 8) -> bool:
+    """Whether ``node`` is ``source`` seen through at most ``depth`` view ops (their first argument) and
+    functionalization's write-backs into a view's base (:data:`SCATTERS`: the value written). What a reader of a
+    mutated view reads in the v1 form when the view is not its whole base (vLLM's TMA-aligned group scales: a
+    slice of a padded buffer, transposed)."""
+    for _ in range(depth + 1):
+        if node is source:
+            return True
+        if not isinstance(node, Node) or node.op != "call_function" or not node.args:
+            return False
+        if node.target in VIEW_CHAIN_OPS:
+            node = node.args[0]
+        elif node.target in SCATTERS and len(node.args) > 1:
+            node = node.args[1]
+        else:
+            return False
+    return False
+
+
+def same_view(a, b) -> bool:
+    """Whether tensors ``a`` and ``b`` (traced values) have the same shape and strides for every symbol value."""
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim()
+            and all(known_equal(x, y) for x, y in zip((*a.shape, *a.stride()), (*b.shape, *b.stride()))))
+
+
 def call_arguments(node: Node, op) -> dict:
     """``node``'s call of ``op`` by argument name, defaults filled in. A wrapped (auto_functionalized) call
     passes the op first, then everything by keyword."""

@@ -232,13 +232,16 @@ def attention_shape(attention: Node, width: int) -> AttentionShape | None:
 
 
 def _quant_buffers_reason(quant: Node, form: QuantForm, width: int) -> str | None:
-    """The fused op writes the quant's buffers whole, row-major, as wide as the format's for ``width`` elements."""
+    """The fused op writes the quant's buffers whole, row-major (a ``strided`` buffer of the format: through the
+    strides of the very view the quant was given, in the v1 form), as wide as the format's for ``width``
+    elements."""
     if any(is_view_of_base(quant, arg) for arg in form.buffers):
         return "quant_buffers_are_views"
+    specs = formats.by_name(form.format).buffers
     buffers = [layout.value(buffer_arg(quant, arg)) for arg in form.buffers]
-    if not all(layout.tensor_is_row_major(b) for b in buffers):
+    if not all(spec.strided or layout.tensor_is_row_major(b) for b, spec in zip(buffers, specs)):
         return "quant_buffers_not_contiguous"
-    fits = layout.rows_of_width(buffers, formats.by_name(form.format).buffers, width)  # e.g. not vLLM's padded_n
+    fits = layout.rows_of_width(buffers, specs, width)  # e.g. not vLLM's padded_n
     return None if fits else "quant_buffers_padded"
 
 
@@ -250,6 +253,11 @@ def _gemm_reason(quant: Node, form: QuantForm, vocab: OpVocabulary) -> str | Non
     codes = mutated_result(quant, form.buffers[0])
     scale = (mutated_result(quant, form.gemm_scale) if form.gemm_scale in form.buffers
              else quant.kwargs.get(form.gemm_scale))
+    if form.gemm_scale in form.buffers and formats.by_name(form.format).buffers[
+            form.buffers.index(form.gemm_scale)].strided:  # a strided view: read back through the same view
+        given = layout.value(buffer_arg(quant, form.gemm_scale))
+        return gemm_reason(codes, lambda reader, arg: layout.seen_through_views(arg, scale) and layout.same_view(
+            layout.value(arg), given), vocab, form.format)
     scale_reads = set(layout.byte_readers(scale)) if isinstance(scale, Node) else set()
     return gemm_reason(codes, lambda reader, arg: (reader, arg) in scale_reads, vocab, form.format)
 

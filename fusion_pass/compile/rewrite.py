@@ -36,18 +36,20 @@ def rewrite(graph: Graph, match: Match, vocab: OpVocabulary) -> Node:
         attention.args = (vocab.writing_quantized(match.pattern.role), *attention.args[1:])
         return attention
     form = vocab.quant_form(match.pattern.format)
-    return inline_replacement(graph, match, vocab, [*(buffer_arg(quant, b) for b in form.buffers),
-                                                    quant.kwargs[form.scale_input]],
-                              [mutated_result(quant, b) for b in form.buffers])
+    scale = [] if form.scale_input is None else [quant.kwargs[form.scale_input]]
+    args = layout.call_arguments(quant, form.op)
+    return inline_replacement(graph, match, vocab, [*(buffer_arg(quant, b) for b in form.buffers), *scale],
+                              [mutated_result(quant, b) for b in form.buffers],
+                              {ours: args[theirs] for theirs, ours in form.forwards})
 
 
 def inline_replacement(graph: Graph, match: Match, vocab: OpVocabulary, quant_values: list,
-                       old_results: list) -> Node:
+                       old_results: list, forwarded: dict | None = None) -> Node:
     """Inline the pattern's traced replacement before ``match.quant``: its placeholders take the attention's inputs,
     its query-dtype output buffer and ``quant_values`` (the buffers the fused call writes and its scale, in the
     replacement's order); the readers of ``old_results`` (one per buffer; None: unread) read the replacement's
-    results instead; the quant, ``match.chain`` (backwards) and the attention are erased. Returns the new
-    attention node."""
+    results instead; the quant, ``match.chain`` (backwards) and the attention are erased; ``forwarded``: the new
+    call's arguments taken from the quant (:attr:`QuantForm.forwards`). Returns the new attention node."""
     attention, quant = match.attention, match.quant
     template = traced_replacement(match.pattern, vocab, match.form)
     n_inputs = len(match.pattern.inputs)
@@ -67,6 +69,8 @@ def inline_replacement(graph: Graph, match: Match, vocab: OpVocabulary, quant_va
                 graph.erase_node(node)
     for name in _passthrough_args(attention, n_inputs):  # layer_name and whatever else the op takes
         new_attention.update_kwarg(name, attention.kwargs[name])
+    for name, value in (forwarded or {}).items():
+        new_attention.update_kwarg(name, value)
     for node in (new_attention, *new_results):  # keep where it came from, for dumps and errors
         node.meta.update({k: v for k, v in attention.meta.items() if k in _PROVENANCE_META})
     vals = [old.meta.get("val") if old is not None else None for old in old_results]

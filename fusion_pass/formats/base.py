@@ -32,11 +32,13 @@ class ScaleKind:
 @dataclass(frozen=True)
 class BufferSpec:
     """One buffer a fused call writes: ``name``, ``dtype`` and ``shape(T, N)`` (the allocation's shape; the
-    layout the writers use is the format's to say)."""
+    layout the writers use is the format's to say). ``strided``: the buffer may be a strided view (FP8 group
+    scales: column-major), which every writer writes through; otherwise it is row-major and whole."""
 
     name: str
     dtype: torch.dtype
     shape: Callable[[int, int], tuple[int, ...]]
+    strided: bool = False
 
 
 @dataclass(frozen=True)

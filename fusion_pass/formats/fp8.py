@@ -37,7 +37,7 @@ def _group_format(name: str, ue8m0: bool) -> OutputFormat:
         columns=fp8.GROUP_SIZE,
         head_multiple=fp8.GROUP_SIZE,
         buffers=(BufferSpec("output", fp8.FP8, lambda t, n: (t, n)),
-                 BufferSpec("scales", torch.float32, fp8.group_scale_shape)),
+                 BufferSpec("scales", torch.float32, fp8.group_scale_shape, strided=True)),
         quantize=quantize,
         error_bound=fp8.group_error_bound,
         replaces=(f"_C::per_token_group_fp8_quant(input, output_q, output_s, 128, 1e-10, -448, 448, "

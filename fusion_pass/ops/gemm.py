@@ -1,5 +1,6 @@
 """The NVFP4 GEMM op ``nvfp4_gemm`` (the o_proj), with the contract of vLLM's ``cutlass_scaled_fp4_mm``, and a tap
-recording what it reads (the demo compares the o_proj's NVFP4 input between compiled graphs)."""
+recording what it reads (the demo compares the o_proj's NVFP4 input between compiled graphs); and the block-FP8
+GEMM ``fp8_group_gemm`` (a DeepSeek-style o_proj reading 128-column group scales)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextvars
 
 import torch
 
-from fusion_pass import nvfp4
+from fusion_pass import fp8, nvfp4
 from fusion_pass.nvfp4 import ArgumentError
 from fusion_pass.ops.library import fake, impl
 
@@ -86,3 +87,39 @@ def _nvfp4_gemm(a, b, block_scale_a, block_scale_b, alpha, out_dtype):
 def _nvfp4_gemm_fake(a, b, block_scale_a, block_scale_b, alpha, out_dtype):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
+
+
+def _check_fp8_group_gemm_args(a, b, a_scales, b_scales) -> None:
+    op = "fp8_group_gemm"
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor) or t.dtype != fp8.FP8 or t.dim() != 2:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ArgumentError(f"{op}: {name} must be float8_e4m3fn [rows, K], got {got}")
+    (m, k), n = a.shape, b.shape[0]
+    if b.shape[1] != k or k % fp8.GROUP_SIZE:
+        raise ArgumentError(f"{op}: a [M, K] and b [N, K] must share K, a multiple of {fp8.GROUP_SIZE}, got "
+                            f"{list(a.shape)} and {list(b.shape)}")
+    groups = k // fp8.GROUP_SIZE
+    for name, t, want in (("a_scales", a_scales, [m, groups]),
+                          ("b_scales", b_scales, [-(-n // fp8.GROUP_SIZE), groups])):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or list(t.shape) != want:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ArgumentError(f"{op}: {name} must be float32 {want} (any strides), got {got}")
+
+
+@impl("fp8_group_gemm")
+def _fp8_group_gemm(a, b, a_scales, b_scales, out_dtype):
+    """``out [M, N] = dequant(a) @ dequant(b).T``: ``a`` float8_e4m3fn ``[M, K]`` with one float32 scale per row and
+    128 columns (``a_scales [M, K/128]``, any of the three group-scale layouts: the values are read, not the
+    strides), ``b`` float8_e4m3fn ``[N, K]`` with one scale per 128x128 block (``b_scales [ceil(N/128), K/128]``):
+    a block-FP8 linear's GEMM (DeepSeek-style checkpoints), computed in float32."""
+    _check_fp8_group_gemm_args(a, b, a_scales, b_scales)
+    a_hat = fp8.dequantize_group(a, a_scales.contiguous())
+    rows = b_scales.repeat_interleave(fp8.GROUP_SIZE, 0)[: b.shape[0]]
+    b_hat = b.float() * rows.repeat_interleave(fp8.GROUP_SIZE, 1)
+    return torch.matmul(a_hat, b_hat.t()).to(out_dtype)
+
+
+@fake("fp8_group_gemm")
+def _fp8_group_gemm_fake(a, b, a_scales, b_scales, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)

@@ -5,7 +5,10 @@ Schemas mirror vLLM's so that compiled graphs of the demo models look like vLLM'
 * ``scaled_fp4_quant.out`` <-> ``_C::scaled_fp4_quant.out``
 * ``nvfp4_gemm`` <-> ``_C::cutlass_scaled_fp4_mm`` (functional form)
 * ``attention_with_output`` <-> ``vllm::unified_attention_with_output``
-* ``mla_attention_with_output`` <-> ``vllm::unified_mla_attention_with_output``
+* ``mla_attention_with_output`` <-> ``vllm::unified_mla_attention_with_output`` (its group-FP8 arguments
+  ``quant_group_size`` ... ``quant_tma_aligned`` too, given to the standard op alike, after this project's
+  ``output_inv_scale``; the quant kernel does not read the two layout flags: the scale buffer's strides say it)
+* ``fp8_group_gemm`` <-> a block-FP8 linear's GEMM (``_C::cutlass_scaled_mm`` with group scales, functional form)
 
 Every op has a fake (meta) implementation, so torch.compile traces them with a symbolic token count.
 """
@@ -18,6 +21,7 @@ from torch import Tensor
 __all__ = ["NAMESPACE", "SCHEMAS", "dense", "fake", "impl", "qualname"]
 
 NAMESPACE = "fusion_pass"
+
 
 SCHEMAS = {
     "scaled_fp4_quant.out": (
@@ -36,14 +40,20 @@ SCHEMAS = {
         "float eps, float fp8_min, float fp8_max, bool scale_ue8m0, bool dummy_is_scale_transposed, "
         "bool dummy_is_tma_aligned) -> ()"
     ),
+    "fp8_group_gemm": (
+        "fp8_group_gemm(Tensor a, Tensor b, Tensor a_scales, Tensor b_scales, ScalarType out_dtype) -> Tensor"
+    ),
     "attention_with_output": (
         "attention_with_output(Tensor q, Tensor k, Tensor v, Tensor(a!) output, str layer_name, "
-        "Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, Tensor? output_inv_scale=None) -> ()"
+        "Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, Tensor? output_inv_scale=None, "
+        "int? quant_group_size=None, bool? quant_scale_ue8m0=None, bool? quant_col_major=None, "
+        "bool? quant_tma_aligned=None) -> ()"
     ),
     "mla_attention_with_output": (
         "mla_attention_with_output(Tensor q, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) output, "
         "str layer_name, Tensor? output_scale=None, Tensor(b!)? output_block_scale=None, "
-        "Tensor? output_inv_scale=None) -> ()"
+        "Tensor? output_inv_scale=None, int? quant_group_size=None, bool? quant_scale_ue8m0=None, "
+        "bool? quant_col_major=None, bool? quant_tma_aligned=None) -> ()"
     ),
 }
 

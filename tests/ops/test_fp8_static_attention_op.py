@@ -67,7 +67,7 @@ def _bad_calls(t, width):
         ("scale of two elements", good_out, torch.tensor([0.01, 0.02]), None, None,
          r"output_scale .*one-element float32 tensor"),
         ("group scales", good_out, good_scale, torch.empty(t, width // 8 or 1), None,
-         r"output_block_scale must be None with a float8_e4m3fn output .*group scales is not wired"),
+         r"output_block_scale must be None with a float8_e4m3fn output .*group scales takes quant_group_size"),
         ("float64 queries", good_out, good_scale, None, torch.float64, r"FP8_STATIC output needs q of float16"),
         ("transposed shape", torch.empty(width, t, dtype=FP8), good_scale, None, None,
          rf"output must be a contiguous float8_e4m3fn tensor .*or \[T, H, Dv\]\), got torch.float8_e4m3fn "

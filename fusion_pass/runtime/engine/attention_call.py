@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from fusion_pass import formats, nvfp4
-from fusion_pass.runtime import backends, counters, fp8_rows, guard, row_plan, self_check, settings
+from fusion_pass.runtime import backends, counters, fp8_group_rows, fp8_rows, guard, row_plan, self_check, settings
 
 __all__ = ["layer_shape", "run"]
 
@@ -40,10 +40,12 @@ def layer_shape(impl, q: Tensor, inputs: tuple = ()) -> guard.LayerShape:
 
 
 def _writer(output_format: formats.OutputFormat, output: Tensor, output_scale: Tensor, output_block_scale,
-            t: int, fp8_quant: fp8_rows.StaticQuant) -> row_plan.RowWriter:
+            t: int, fp8_quant: fp8_rows.StaticQuant | fp8_group_rows.GroupQuant) -> row_plan.RowWriter:
     """The call's buffers as its format's :class:`~fusion_pass.runtime.row_plan.RowWriter` (``T`` rows)."""
     if output_format is formats.FP8_STATIC:
         return fp8_rows.FP8StaticRows(output, output_scale, t, fp8_quant)
+    if output_format in (formats.FP8_GROUP128, formats.FP8_GROUP128_UE8M0):
+        return fp8_group_rows.FP8GroupRows(output, output_block_scale, t, fp8_quant)
     return row_plan.NVFP4Rows(output, output_scale, output_block_scale, t)
 
 
@@ -107,11 +109,11 @@ def _run_one_call(backend, impl, inputs: tuple, spec, output: Tensor, output_sca
 
 def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, layer_name: str | None = None,
         output_format: formats.OutputFormat | None = None,
-        fp8_quant: fp8_rows.StaticQuant = fp8_rows.OP_FORM) -> None:
+        fp8_quant: fp8_rows.StaticQuant | fp8_group_rows.GroupQuant = fp8_rows.OP_FORM) -> None:
     """One attention call of ``impl`` (an MLA or standard runtime) on ``inputs`` for the batch ``spec``.
 
-    Without ``output_scale``: attention in the query dtype, not guarded (:func:`_attention`). With it (a quantized
-    output: NVFP4 or static FP8): :func:`fusion_pass.runtime.guard.decide` picks the rows; the fused rows run
+    Without a format (no ``output_scale``, not a group call): attention in the query dtype, not guarded
+    (:func:`_attention`). With one (a quantized output: NVFP4, static FP8, or FP8 groups): :func:`fusion_pass.runtime.guard.decide` picks the rows; the fused rows run
     the selected backend through the row plan (attention quantized from float32), the others exactly the
     unfused computation (attention rounded to the query dtype, then quantized); a standard layer's call with
     decode and prefill rows is offered as one launch over the layer's paged cache (``Decision.one_call``: every
@@ -123,16 +125,17 @@ def run(impl, inputs: tuple, spec, output, output_scale, output_block_scale, *, 
     (:func:`fusion_pass.formats.call_format`, read here when not given): the guard decides for it and its
     :class:`~fusion_pass.runtime.row_plan.RowWriter` (:func:`_writer`) writes the rows, fused or not.
     ``fp8_quant``: a static FP8 call's arithmetic (:class:`fusion_pass.runtime.fp8_rows.StaticQuant`: the op form,
-    ``output_scale`` the scale; the native form, ``output_scale`` the graph's inverse).
+    ``output_scale`` the scale; the native form, ``output_scale`` the graph's inverse); a group FP8 call's
+    (:class:`fusion_pass.runtime.fp8_group_rows.GroupQuant`; ``output_block_scale`` its scales, ``output_scale`` None).
     """
     q = inputs[0]
     settings.check_environment()
-    if output_scale is None:
+    output_format = output_format or formats.call_format(output, output_scale, output_block_scale)
+    if output_format is None:
         with impl.cache.transaction():
             out = _attention(impl, inputs, spec, q)
             output.view(out.shape).copy_(out)
         return
-    output_format = output_format or formats.call_format(output, output_scale, output_block_scale)
     writer = _writer(output_format, output, output_scale, output_block_scale, spec.num_tokens, fp8_quant)
     decision = guard.decide(guard.BatchRows.from_spec(spec), layer_shape(impl, q, inputs),
                             one_call_refusal=_one_call_refusal(impl, inputs, spec), output_format=output_format)

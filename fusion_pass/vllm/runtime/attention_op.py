@@ -10,7 +10,12 @@ call), as for vLLM's own quantized attention calls:
   (float32 ``[1]``), ``output_block_scale`` the quant's int32 swizzled scale buffer;
 * static per-tensor FP8: ``output`` the quant's float8_e4m3fn ``[T, H*Dv]`` buffer (``result``), ``output_scale``
   its static scale (float32 ``[1]``), no ``output_block_scale`` (checked: :func:`fusion_pass.vllm.runtime
-  .fp8_static_rows.check_call`).
+  .fp8_static_rows.check_call`);
+* FP8 with 128-column groups (vLLM's MLA op's convention, which the standard op takes too as this project's
+  arguments): ``output`` the quant's float8_e4m3fn ``[T, H*Dv]`` codes, ``output_block_scale`` its float32 group
+  scales (any of vLLM's three layouts), ``quant_group_size=128`` and ``quant_scale_ue8m0``, no ``output_scale``
+  (checked: :func:`fusion_pass.vllm.runtime.fp8_group_rows.check_call`). vLLM's op is called without them for the
+  query-dtype attention of the fallback, quantized by the unfused graph's group quant op.
 
 A call without ``output_scale`` (the query-dtype form) is refused with ``ValueError``: the pass never emits one.
 
@@ -57,7 +62,7 @@ from fusion_pass.formats import FP8_STATIC, NVFP4, call_format
 from fusion_pass.runtime import counters, settings
 from fusion_pass.runtime.fp8_rows import NATIVE_FORM, OP_FORM
 from fusion_pass.vllm import notices, releases
-from fusion_pass.vllm.runtime import fp8_static_rows, fused_rows
+from fusion_pass.vllm.runtime import fp8_group_rows, fp8_static_rows, fused_rows
 from fusion_pass.vllm.runtime.call_buffers import unfused_width
 from fusion_pass.vllm.adapters.registry import install_host_hooks
 from fusion_pass.vllm.runtime.guard import decide, decide_rows, decode_only_decision, layer_name_of
@@ -152,12 +157,19 @@ class _Step:
         return self.decisions[key]
 
 
-def _format(output, output_scale, output_block_scale, output_inv_scale=None):
-    """The call's output format (:func:`fusion_pass.formats.call_format`) and, for static FP8, its arithmetic and
-    scale (:class:`fusion_pass.runtime.fp8_rows.StaticQuant`: the op form and ``output_scale``, or the native form
-    and ``output_inv_scale``), its buffers checked where the format needs it (static FP8:
-    :func:`fusion_pass.vllm.runtime.fp8_static_rows.check_call`); ``ValueError`` naming the argument for a call the
-    fused op does not write."""
+def _format(output, output_scale, output_block_scale, output_inv_scale=None, group=None):
+    """The call's output format (:func:`fusion_pass.formats.call_format`) and, for FP8, its arithmetic and scale
+    (:class:`fusion_pass.runtime.fp8_rows.StaticQuant`: the op form and ``output_scale``, or the native form
+    and ``output_inv_scale``; for a group call, ``group`` = ``(quant_group_size, quant_scale_ue8m0)``, a
+    :class:`fusion_pass.runtime.fp8_group_rows.GroupQuant` and no scale), its buffers checked where the format needs
+    it (FP8: :func:`fusion_pass.vllm.runtime.fp8_static_rows.check_call`, :func:`.fp8_group_rows.check_call`);
+    ``ValueError`` naming the argument for a call the fused op does not write."""
+    if group is not None and group[0] is not None:
+        if output_inv_scale is not None:
+            raise ValueError("fusion_pass vLLM attention op: output_inv_scale must be None with quant_group_size")
+        fp8_group_rows.check_call("fusion_pass vLLM attention op", output, output_scale, output_block_scale, group[0])
+        quant = fp8_group_rows.group_quant(group[1])
+        return quant.format, quant, None
     if output_inv_scale is not None:
         for name, value in (("output_scale", output_scale), ("output_block_scale", output_block_scale)):
             if value is not None:
@@ -181,15 +193,17 @@ def _op_format(output, output_scale, output_block_scale):
 
 
 def _run(vllm_op, inputs, output, layer_name, output_scale, output_block_scale, rest, heads, extra=None,
-         output_inv_scale=None) -> None:
+         output_inv_scale=None, group=None) -> None:
     """One call. Per call, beyond vLLM's op and the quant op (the exact fallback) or the fused rows: the output
     format read from the buffers (:func:`_format`), the forward context's entry for the layer, the step kept on its
     metadata (a decode-only step's decision, taken once per step and format; otherwise the guard, whose decision is
     kept per step for layers that read alike), the count. ``rest``: the arguments of vLLM's op after
     ``output_block_scale``, in its schema's order; ``extra``: those of them the fused MLA rows pass on to vLLM's
     ``forward_impl`` for the decode rows (by name). ``output_inv_scale``: the native form of static FP8 (this
-    project's argument, not vLLM's): the rows written with it in ``output_scale``'s place (:func:`_format`)."""
-    fmt, fp8_quant, output_scale = _format(output, output_scale, output_block_scale, output_inv_scale)
+    project's argument, not vLLM's): the rows written with it in ``output_scale``'s place (:func:`_format`);
+    ``group``: ``(quant_group_size, quant_scale_ue8m0)`` of a group FP8 call (``rest`` then carries None in their
+    places: vLLM's op computes the query-dtype attention of the fallback)."""
+    fmt, fp8_quant, output_scale = _format(output, output_scale, output_block_scale, output_inv_scale, group)
     name = layer_name if type(layer_name) is str else layer_name_of(layer_name)
     md, layer, kv_cache = _context(name)
     if md is None:  # vLLM's profile and dummy runs
@@ -272,6 +286,9 @@ def _run_unfused(vllm_op, inputs, output, layer_name, output_scale, output_block
     if output_format is FP8_STATIC:  # the quant's result is the op's output, its scale the op's output_scale
         fp8_static_rows.quantize(fp8_static_rows.codes(output), tmp, output_scale, fp8_quant)
         return
+    if output_format is not NVFP4:  # a group format: the codes, the group scales the op's output_block_scale
+        fp8_group_rows.quantize(fp8_static_rows.codes(output), output_block_scale, tmp, fp8_quant)
+        return
     # the attention op's output_scale is the global scale (the quant's input_scale); its output_block_scale is
     # the quant's output_scale (the block scales)
     packed = output if len(shape) == 2 else output.view(shape[0], -1)
@@ -305,10 +322,15 @@ def register() -> None:
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
         kv_cache_dummy_dep: torch.Tensor | None = None,
+        quant_group_size: int | None = None,
+        quant_scale_ue8m0: bool | None = None,
+        quant_col_major: bool | None = None,
+        quant_tma_aligned: bool | None = None,
         output_inv_scale: torch.Tensor | None = None,
     ) -> None:
         _run(standard_op, (query, key, value), output, layer_name, output_scale, output_block_scale,
-             (kv_cache_dummy_dep,), query.shape[1], output_inv_scale=output_inv_scale)
+             (kv_cache_dummy_dep,), query.shape[1], output_inv_scale=output_inv_scale,
+             group=(quant_group_size, quant_scale_ue8m0))
 
     def vllm_mla_attention_nvfp4(
         q: torch.Tensor,
@@ -327,8 +349,8 @@ def register() -> None:
         output_inv_scale: torch.Tensor | None = None,
     ) -> None:
         _run(mla_op, (q, kv_c_normed, k_pe), output, layer_name, output_scale, output_block_scale,
-             (kv_cache_dummy_dep, quant_group_size, quant_scale_ue8m0, quant_col_major, quant_tma_aligned,
-              q_dcp_replicated), None, output_inv_scale=output_inv_scale)
+             (kv_cache_dummy_dep, None, None, None, None, q_dcp_replicated), None, output_inv_scale=output_inv_scale,
+             group=(quant_group_size, quant_scale_ue8m0))
 
     def vllm_mla_attention_nvfp4_with_mqa_q_prepared(  # 0.34's schema: mqa_q_prepared, a decode query made by the model
         q: torch.Tensor,
@@ -348,9 +370,9 @@ def register() -> None:
         output_inv_scale: torch.Tensor | None = None,
     ) -> None:
         _run(mla_op, (q, kv_c_normed, k_pe), output, layer_name, output_scale, output_block_scale,
-             (kv_cache_dummy_dep, quant_group_size, quant_scale_ue8m0, quant_col_major, quant_tma_aligned,
-              q_dcp_replicated, mqa_q_prepared), None, {"mqa_q_prepared": mqa_q_prepared},
-             output_inv_scale=output_inv_scale)
+             (kv_cache_dummy_dep, None, None, None, None, q_dcp_replicated, mqa_q_prepared), None,
+             {"mqa_q_prepared": mqa_q_prepared}, output_inv_scale=output_inv_scale,
+             group=(quant_group_size, quant_scale_ue8m0))
 
     mla_forms = {(): vllm_mla_attention_nvfp4, ("mqa_q_prepared",): vllm_mla_attention_nvfp4_with_mqa_q_prepared}
     extra_args = release.mla_op_extra_args

@@ -5,7 +5,9 @@
 
 * :class:`Nvfp4Buffers`: packed uint8 ``[T, K/2]`` and the swizzled block scales (vLLM's int32 view), under the
   global scale (:mod:`.nvfp4_rows`);
-* :class:`Fp8StaticBuffers`: float8_e4m3fn ``[T, K]`` under the static scale (:mod:`.fp8_static_rows`).
+* :class:`Fp8StaticBuffers`: float8_e4m3fn ``[T, K]`` under the static scale (:mod:`.fp8_static_rows`);
+* :class:`Fp8GroupBuffers`: float8_e4m3fn ``[T, K]`` and float32 group scales ``[T, K/128]`` in any of vLLM's
+  layouts (:mod:`.fp8_group_rows`).
 
 Each has ``n`` (the batch's rows; rows past it are vLLM's padding), ``width`` (``K = H * Dv``), and:
 ``run_prefills(backend, q, k, v, first_row=..., query_lens=..., context_lens=..., context=..., softmax_scale=...)``
@@ -19,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from fusion_pass import nvfp4
-from fusion_pass.formats import FP8_STATIC, NVFP4, OutputFormat
-from fusion_pass.runtime import fp8_rows, row_plan
-from fusion_pass.vllm.runtime import fp8_static_rows, nvfp4_rows
+from fusion_pass import fp8, nvfp4
+from fusion_pass.formats import FP8_GROUP128, FP8_GROUP128_UE8M0, FP8_STATIC, NVFP4, OutputFormat
+from fusion_pass.runtime import fp8_group_rows as group_rows, fp8_rows, row_plan
+from fusion_pass.vllm.runtime import fp8_group_rows, fp8_static_rows, nvfp4_rows
 
-__all__ = ["Fp8StaticBuffers", "Nvfp4Buffers", "call_buffers", "unfused_width"]
+__all__ = ["Fp8GroupBuffers", "Fp8StaticBuffers", "Nvfp4Buffers", "call_buffers", "unfused_width"]
 
 
 class Nvfp4Buffers:
@@ -87,16 +89,49 @@ class Fp8StaticBuffers:
         self.codes.view(torch.uint8)[self.n:].zero_()
 
 
+class Fp8GroupBuffers:
+    """A group FP8 call's buffers (module docstring): ``output`` contiguous float8_e4m3fn (``[T, K]`` or ``[T, H,
+    Dv]``), ``scales`` float32 ``[T, K/128]`` in any :class:`fusion_pass.fp8.ScaleLayout`, quantized as ``quant`` says
+    (:class:`fusion_pass.runtime.fp8_group_rows.GroupQuant`)."""
+
+    def __init__(self, output, scales, n: int, quant: group_rows.GroupQuant):
+        self.n, self.scales, self.quant = n, scales, quant
+        self.format = quant.format
+        self.codes = fp8_static_rows.codes(output)
+        self.width = self.codes.shape[1]
+
+    def run_prefills(self, backend, q, k, v, **rows) -> None:
+        group_rows.run_prefills_fp8_group(backend, q, k, v, output=self.codes[:self.n], scales=self.scales[:self.n],
+                                          quant=self.quant, **rows)
+
+    def part(self, m: int, device) -> "Fp8GroupBuffers":
+        scales = torch.empty(m, self.width // fp8.GROUP_SIZE, dtype=torch.float32, device=device)
+        return Fp8GroupBuffers(torch.empty(m, self.width, dtype=fp8.FP8, device=device), scales, m, self.quant)
+
+    def copy_from(self, part: "Fp8GroupBuffers", rows) -> None:
+        self.codes.view(torch.uint8).index_copy_(0, rows, part.codes.view(torch.uint8))
+        self.scales.index_copy_(0, rows, part.scales)
+
+    def write(self, values, rows) -> None:
+        fp8_group_rows.write_rows(values, self.codes, self.scales, rows, self.quant)
+
+    def zero_padding(self) -> None:
+        self.codes.view(torch.uint8)[self.n:].zero_()
+        self.scales[self.n:].zero_()
+
+
 def call_buffers(output_format: OutputFormat, output, output_scale, output_block_scale, n: int,
-                 fp8_quant: fp8_rows.StaticQuant = fp8_rows.OP_FORM):
-    """The buffers of a call writing ``output_format`` (:data:`NVFP4` or :data:`FP8_STATIC`, in the arithmetic of
-    ``fp8_quant``), of which the batch has ``n`` rows. Raises ``ValueError`` for another format."""
+                 fp8_quant: fp8_rows.StaticQuant | group_rows.GroupQuant = fp8_rows.OP_FORM):
+    """The buffers of a call writing ``output_format`` (:data:`NVFP4`, :data:`FP8_STATIC` or a group format, in the
+    arithmetic of ``fp8_quant``), of which the batch has ``n`` rows. Raises ``ValueError`` for another format."""
     if output_format is NVFP4:
         return Nvfp4Buffers(output, output_scale, output_block_scale, n)
     if output_format is FP8_STATIC:
         return Fp8StaticBuffers(output, output_scale, n, fp8_quant)
-    raise ValueError(f"call_buffers: the fused vLLM op writes {NVFP4.name} or {FP8_STATIC.name}, not "
-                     f"{output_format.name}")
+    if output_format in (FP8_GROUP128, FP8_GROUP128_UE8M0):
+        return Fp8GroupBuffers(output, output_block_scale, n, fp8_quant)
+    raise ValueError(f"call_buffers: the fused vLLM op writes {NVFP4.name}, {FP8_STATIC.name} or the FP8 group "
+                     f"formats, not {output_format.name}")
 
 
 def unfused_width(output_format: OutputFormat, output) -> int:
