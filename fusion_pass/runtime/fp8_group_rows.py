@@ -14,8 +14,8 @@ A row's scales are its own (no scale is shared between rows), so, as for static 
 one writer, fused kernel first, post-quantized rows after:
 
 * :func:`run_prefills_fp8_group`: the backend's group kernel (``run_varlen_fp8_group``) on a run of prefills at
-  their rows, cached context within the workspace bound only (no backend has an FP8 merge: beyond it ValueError,
-  and the guard does not fuse such prefills, :func:`fusion_pass.runtime.backends.base.fused_prefills`);
+  their rows, cached context within the workspace bound in one launch, beyond it in chunks merged in float32 and
+  quantized (:meth:`FP8GroupRows.merge`);
 * :class:`FP8GroupRows`: the writer :func:`fusion_pass.runtime.row_plan.run_rows` takes for a whole call; every
   row it does not fuse is the unfused graph's query-dtype attention quantized into its own rows
   (:func:`post_quantize_rows_fp8_group`).
@@ -36,7 +36,7 @@ from torch import Tensor
 from fusion_pass import fp8
 from fusion_pass.formats import FP8_GROUP128, FP8_GROUP128_UE8M0, OutputFormat
 from fusion_pass.runtime.backends.base import fused_prefills
-from fusion_pass.runtime.fp8_rows import workspace_bound
+from fusion_pass.runtime.fp8_rows import merged_rows, workspace_bound
 from fusion_pass.runtime.row_plan import ContextRows, check_prefills, write_prefills
 from fusion_pass.runtime.settings import context_workspace_tokens
 
@@ -74,11 +74,9 @@ def post_quantize_rows_fp8_group(rows: Tensor, output: Tensor, scales: Tensor, r
 class FP8GroupRows:
     """:class:`~fusion_pass.runtime.row_plan.RowWriter` of the FP8 group formats: ``output`` float8_e4m3fn (``T *
     H*Dv`` elements, contiguous), ``scales`` float32 logical ``[T, H*Dv/128]`` in any layout; a backend writes the
-    prefills :func:`~fusion_pass.runtime.backends.base.fused_prefills` says for ``quant.format`` (no merge: with
-    context, only within the workspace bound) by ``run_varlen_fp8_group``; other rows
-    :func:`post_quantize_rows_fp8_group`; both in the arithmetic of ``quant``."""
-
-    merge = None  # no FP8 merge of context chunks
+    prefills :func:`~fusion_pass.runtime.backends.base.fused_prefills` says for ``quant.format`` by
+    ``run_varlen_fp8_group`` (a context beyond the workspace bound: :meth:`merge`); other rows
+    :func:`post_quantize_rows_fp8_group`; all in the arithmetic of ``quant``."""
 
     def __init__(self, output: Tensor, scales: Tensor, t: int, quant: GroupQuant) -> None:
         self.output, self.scales, self.t, self.quant = output, scales, t, quant
@@ -90,6 +88,14 @@ class FP8GroupRows:
         backend.run_varlen_fp8_group(q, k, v, cu_q, max_q, softmax_scale,
                                      self.output.view(fp8.FP8).view(self.t, -1), self.scales, cu_seqlens_k=cu_k,
                                      max_seqlen_k=max_k, ue8m0=self.quant.ue8m0, divide=self.quant.divide)
+
+    def merge(self, backend, out_a, lse_a, out_b, lse_b, first_row: int) -> None:
+        """The prefills' rows from two partial attentions (:func:`fusion_pass.runtime.fp8_rows.merged_rows`),
+        quantized by ``quant`` into rows ``[first_row, first_row + M)`` of the codes and the scales."""
+        x = merged_rows(out_a, lse_a, out_b, lse_b)
+        codes, scales = fp8.quantize_group(x, ue8m0=self.quant.ue8m0, divide=self.quant.divide)
+        self.output.view(torch.uint8).view(self.t, -1)[first_row:first_row + x.shape[0]] = codes.view(torch.uint8)
+        self.scales[first_row:first_row + x.shape[0]] = scales
 
     def rows(self, x: Tensor, row_start: int) -> None:
         post_quantize_rows_fp8_group(x, self.output, self.scales, row_start, self.t, self.quant)
@@ -109,13 +115,13 @@ def run_prefills_fp8_group(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, fir
     and ``quant`` (:class:`GroupQuant`) in place of the NVFP4 buffers. The prefills' cached context must fit the
     workspace bound (``workspace_tokens``, default :func:`context_workspace_tokens`): one
     ``backend.run_varlen_fp8_group`` call over keys that are, per request, its context then its new tokens. A
-    context beyond the bound raises ValueError (no FP8 merge of context chunks exists; the guard post-quantizes such
-    prefills instead), as does every mismatch :func:`~fusion_pass.runtime.row_plan.check_prefills` finds, before
-    any kernel runs.
+    context beyond the bound is attended in chunks of at most the bound, merged in float32 and quantized
+    (:meth:`FP8GroupRows.merge`). Every mismatch :func:`~fusion_pass.runtime.row_plan.check_prefills` finds raises
+    ValueError before any kernel runs.
 
     Rows outside ``[first_row, first_row + sum(query_lens))`` of ``output`` and ``scales`` are not written.
     """
     query_lens, context_lens = check_prefills(q, k, v, first_row, query_lens, context_lens, context)
-    bound = workspace_bound("run_prefills_fp8_group", quant.format, context_lens, workspace_tokens)
+    bound = workspace_bound("run_prefills_fp8_group", workspace_tokens)
     write_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale,
                   FP8GroupRows(output, scales, q.shape[0], quant), bound)

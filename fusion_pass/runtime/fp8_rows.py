@@ -9,9 +9,9 @@ rows after":
 
 * :func:`run_prefills_fp8_static`: the backend's FP8 kernel (``run_varlen_fp8_static``) on a run of prefills at
   their rows, prefills with cached context through one key/value workspace of context + new tokens
-  (``cu_seqlens_k``), as :func:`~fusion_pass.runtime.row_plan.run_prefills` does within the workspace bound.
-  Beyond the bound NVFP4 merges context chunks; no backend has an FP8 merge yet, so the guard does not fuse
-  such prefills (:func:`fusion_pass.runtime.backends.base.fused_prefills`) and this function refuses them;
+  (``cu_seqlens_k``), as :func:`~fusion_pass.runtime.row_plan.run_prefills` does within the workspace bound;
+  beyond it the context's chunks are attended with their log-sum-exps (``attention_lse``) and merged
+  (:meth:`FP8StaticRows.merge`: the float32 merge of the backend's partial attentions, quantized);
 * :class:`FP8StaticRows`: the writer :func:`fusion_pass.runtime.row_plan.run_rows` takes for a whole call: the
   fused prefills first, then every other row (decode rows, prefills the backend does not fuse) computed as the
   unfused graph computes it, rounded to the query dtype and quantized into its own rows
@@ -23,8 +23,8 @@ under :func:`fusion_pass.fp8.reciprocal` of the scale, a NaN +448, ``0x7E``) or 
 vLLM's ``QuantFP8`` compiled from aten ops: the graph's own reciprocal multiplied as it is, a NaN kept, ``0x7F``); the
 fused rows are the same quantizer applied to the kernel's own float32 output, in the same form.
 
-The FP8 group formats' writer is :mod:`fusion_pass.runtime.fp8_group_rows`'s; both refuse a context beyond the
-workspace bound by :func:`workspace_bound`.
+The FP8 group formats' writer is :mod:`fusion_pass.runtime.fp8_group_rows`'s; both read the workspace bound by
+:func:`workspace_bound` and merge beyond it by :func:`merged_rows`.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ import torch
 from torch import Tensor
 
 from fusion_pass import fp8
-from fusion_pass.formats import FP8_STATIC, OutputFormat
+from fusion_pass.formats import FP8_STATIC
+from fusion_pass.kernels.reference import merge_attention
 from fusion_pass.runtime.backends.base import fused_prefills
 from fusion_pass.runtime.row_plan import ContextRows, check_prefills, write_prefills
 from fusion_pass.runtime.settings import check_token_count, context_workspace_tokens
 
 __all__ = ["FP8StaticRows", "NAN_RULE", "NATIVE_FORM", "OP_FORM", "StaticQuant", "post_quantize_rows_fp8_static",
-           "run_prefills_fp8_static", "workspace_bound"]
+           "merged_rows", "run_prefills_fp8_static", "workspace_bound"]
 
 NAN_RULE = fp8.NaNRule.POSITIVE_MAX
 """What a NaN becomes in the op form's bytes: +448 (``0x7E``), vLLM's ``static_scaled_fp8_quant``."""
@@ -92,11 +93,9 @@ class FP8StaticRows:
     """:class:`~fusion_pass.runtime.row_plan.RowWriter` of static per-tensor FP8: ``output`` float8_e4m3fn (``T *
     H*Dv`` elements, contiguous), ``scale`` float32 ``[1]`` (the checkpoint's, or the graph's inverse under
     :data:`NATIVE_FORM`); a backend writes the prefills
-    :func:`~fusion_pass.runtime.backends.base.fused_prefills` says (no merge: with context, only within the
-    workspace bound) by ``run_varlen_fp8_static``; other rows :func:`post_quantize_rows_fp8_static`; both in the
-    arithmetic of ``quant``."""
-
-    merge = None  # no FP8 merge of context chunks
+    :func:`~fusion_pass.runtime.backends.base.fused_prefills` says by ``run_varlen_fp8_static`` (a context beyond
+    the workspace bound: :meth:`merge`); other rows :func:`post_quantize_rows_fp8_static`; all in the arithmetic of
+    ``quant``."""
 
     def __init__(self, output: Tensor, scale: Tensor, t: int, quant: StaticQuant = OP_FORM) -> None:
         self.output, self.scale, self.t, self.quant = output, scale, t, quant
@@ -109,6 +108,13 @@ class FP8StaticRows:
                                       self.output.view(fp8.FP8).view(self.t, -1), self.scale, cu_seqlens_k=cu_k,
                                       max_seqlen_k=max_k, scale_is_inverse=self.quant.scale_is_inverse,
                                       nan=self.quant.nan)
+
+    def merge(self, backend, out_a, lse_a, out_b, lse_b, first_row: int) -> None:
+        """The prefills' rows from two partial attentions (float32 ``[M, H, Dv]`` and their ``[M, H]`` log-sum-exps,
+        :func:`merged_rows`), quantized by ``quant`` into rows ``[first_row, first_row + M)``."""
+        x = merged_rows(out_a, lse_a, out_b, lse_b)
+        q8 = fp8.quantize_static(x, self.quant.inverse(self.scale), nan=self.quant.nan)
+        _rows2d(self.output, self.t)[first_row:first_row + x.shape[0]] = q8.view(torch.uint8)
 
     def rows(self, x: Tensor, row_start: int) -> None:
         post_quantize_rows_fp8_static(x, self.scale, self.output, row_start, self.t, self.quant)
@@ -125,31 +131,31 @@ def run_prefills_fp8_static(backend: Any, q: Tensor, k: Tensor, v: Tensor, *, fi
 
     Args as :func:`fusion_pass.runtime.row_plan.run_prefills`, with ``output`` float8_e4m3fn (``T * H*Dv``
     elements, contiguous) and ``scale`` float32 ``[1]`` (the checkpoint's; the graph's inverse under ``quant`` =
-    :data:`NATIVE_FORM`) in place of the NVFP4 buffers. The
-    prefills' cached context must fit the workspace bound (``workspace_tokens``, default
-    :func:`context_workspace_tokens`): one ``backend.run_varlen_fp8_static`` call over keys that are, per request,
-    its context then its new tokens. A context beyond the bound raises ValueError (no FP8 merge of context chunks
-    exists; the guard post-quantizes such prefills instead), as does every mismatch
-    :func:`~fusion_pass.runtime.row_plan.check_prefills` finds, before any kernel runs.
+    :data:`NATIVE_FORM`) in place of the NVFP4 buffers. Within the workspace bound (``workspace_tokens``, default
+    :func:`context_workspace_tokens`) one ``backend.run_varlen_fp8_static`` call over keys that are, per request,
+    its context then its new tokens; beyond it the context in chunks of at most the bound, each attended with its
+    log-sum-exp, merged in float32 and quantized (:meth:`FP8StaticRows.merge`). Every mismatch
+    :func:`~fusion_pass.runtime.row_plan.check_prefills` finds raises ValueError before any kernel runs.
 
     Rows outside ``[first_row, first_row + sum(query_lens))`` are not written.
     """
     query_lens, context_lens = check_prefills(q, k, v, first_row, query_lens, context_lens, context)
-    bound = workspace_bound("run_prefills_fp8_static", FP8_STATIC, context_lens, workspace_tokens)
+    bound = workspace_bound("run_prefills_fp8_static", workspace_tokens)
     write_prefills(backend, q, k, v, int(first_row), query_lens, context_lens, context, softmax_scale,
                   FP8StaticRows(output, scale, q.shape[0], quant), bound)
 
 
-def workspace_bound(fn: str, output_format: OutputFormat, context_lens: list[int], workspace_tokens: int | None) -> int:
-    """The context workspace bound of an FP8 run of prefills (``workspace_tokens``, checked, default
-    :func:`context_workspace_tokens`), once their cached context (``context_lens``, host ints) is known to fit it:
-    ValueError naming ``fn`` and ``output_format`` beyond it (no FP8 format has a merge of context chunks)."""
+def workspace_bound(fn: str, workspace_tokens: int | None) -> int:
+    """The context workspace bound of an FP8 run of prefills: ``workspace_tokens`` (checked: a token count, named
+    after ``fn``), default :func:`context_workspace_tokens`."""
     if workspace_tokens is not None:
         check_token_count(f"{fn}(workspace_tokens)", workspace_tokens)
-    bound = context_workspace_tokens() if workspace_tokens is None else workspace_tokens
-    total_context = sum(context_lens)
-    if total_context > bound:
-        raise ValueError(f"{fn}: context_lens sum to {total_context} cached tokens, beyond the context workspace "
-                         f"bound of {bound} tokens: {output_format.name} has no merge of context chunks (the guard "
-                         f"post-quantizes such prefills)")
-    return bound
+    return context_workspace_tokens() if workspace_tokens is None else workspace_tokens
+
+
+def merged_rows(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
+    """Two partial attentions of ``M`` rows over disjoint keys (float32 ``[M, H, Dv]``, log-sum-exps ``[M, H]``)
+    merged into the attention over all their keys (:func:`fusion_pass.kernels.reference.merge_attention`, float32),
+    as ``[M, H*Dv]``: what an FP8 format's merge quantizes."""
+    out = merge_attention(out_a, lse_a, out_b, lse_b)[0]
+    return out.reshape(out.shape[0], -1)

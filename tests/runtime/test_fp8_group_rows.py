@@ -259,9 +259,10 @@ def _schedule(rng: random.Random, steps: int):
 @pytest.mark.parametrize("kernel", ["reference", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("bound", [1 << 16, 4])
 def test_a_whole_call_fuses_the_prefills_and_post_quantizes_every_other_row(monkeypatch, kernel, bound):
-    """Through :func:`fusion_pass.runtime.row_plan.run_rows`, the plan the attention ops run: the fused prefills'
-    rows are ``quantize_group`` of the kernel's own attention of the inputs it was handed; decode rows, and the
-    chunks whose context is beyond the bound (4: no FP8 merge), ``quantize_group`` of the query-dtype attention."""
+    """Through :func:`fusion_pass.runtime.row_plan.run_rows`, the plan the attention ops run: every prefill is fused;
+    within the bound its rows are ``quantize_group`` of the kernel's own attention of the inputs it was handed,
+    beyond it (4) ``quantize_group`` of the float32 merge of the partial attentions the merge was handed (and within
+    the format's bound of the float32 attention); decode rows ``quantize_group`` of the query-dtype attention."""
     if kernel == "triton" and torch.cuda.is_available():
         pytest.skip("the runtime's CPU layers (a CUDA run is tests/kernels')")
     seed = random.randrange(1 << 30)
@@ -271,8 +272,15 @@ def test_a_whole_call_fuses_the_prefills_and_post_quantizes_every_other_row(monk
     backend = backends.ReferenceBackend() if kernel == "reference" else backends.TritonBackend()
     spy = Spy(backend)
     monkeypatch.setattr(backend, "run_varlen_fp8_group", spy)
+    merges, merge = [], FP8GroupRows.merge
+
+    def recorded_merge(self, backend_, out_a, lse_a, out_b, lse_b, first_row):
+        merges.append((out_a, lse_a, out_b, lse_b, first_row))
+        merge(self, backend_, out_a, lse_a, out_b, lse_b, first_row)
+
+    monkeypatch.setattr(FP8GroupRows, "merge", recorded_merge)
     layouts = iter(LAYOUTS * 3)
-    fused_steps = 0
+    fused_steps = merged_steps = 0
     with settings.use_context_workspace_tokens(bound):
         for step, (query_lens, context_lens, ids) in enumerate(_schedule(rng, 5)):
             quant, layout = GroupQuant(rng.random() < 0.5, rng.random() < 0.5), next(layouts)
@@ -292,7 +300,22 @@ def test_a_whole_call_fuses_the_prefills_and_post_quantizes_every_other_row(monk
                 writer.everything(impl.forward(*inputs, spec).to(torch.bfloat16).reshape(t, -1))
             want, want_scales = fp8.quantize_group(attn32.bfloat16(), ue8m0=quant.ue8m0, divide=quant.divide)
             rows = [False] * spec.num_decode_tokens + [f for f, r in zip(mask, prefills) for _ in range(r.query_len)]
-            if any(mask):
+            if merges:  # beyond the bound: the prefills' rows from the merge
+                merged_steps += 1
+                out_a, lse_a, out_b, lse_b, first = merges.pop()
+                x = reference.merge_attention(out_a, lse_a, out_b, lse_b)[0]
+                x = x.reshape(x.shape[0], -1)
+                own_bytes, own_scales = fp8.quantize_group(x, ue8m0=quant.ue8m0, divide=quant.divide)
+                span = slice(first, first + x.shape[0])
+                assert span == slice(spec.num_decode_tokens, t), where
+                want.view(torch.uint8)[span] = own_bytes.view(torch.uint8)
+                want_scales[span] = own_scales
+                group_max = attn32[span].abs().reshape(x.shape[0], -1, fp8.GROUP_SIZE).amax(-1, keepdim=True)
+                slack = (1e-5 if kernel == "reference" else 0.02) * group_max  # triton: its own bf16 roundings
+                near = fp8.group_error_bound(attn32[span], own_scales) + slack.expand(
+                    -1, -1, fp8.GROUP_SIZE).reshape(x.shape)
+                assert bool(((fp8.dequantize_group(own_bytes, own_scales) - attn32[span]).abs() <= near).all()), where
+            elif any(mask):
                 fused_steps += 1
                 q, k, v, cu, max_q, sm, cu_k, _ = spy.calls[-1]
                 if kernel == "triton":
@@ -312,9 +335,9 @@ def test_a_whole_call_fuses_the_prefills_and_post_quantizes_every_other_row(monk
             assert torch.equal(scales, want_scales), where
             if allocation is not scales:
                 assert bool((allocation[:, t:] == SCALE_POISON).all()), f"the TMA padding written ({where})"
-            prefill_context = [r.context_len for r in prefills]
-            assert mask == [sum(prefill_context) <= bound or c == 0 for c in prefill_context], where
-    assert fused_steps > 0, f"seed {seed}"
+            assert mask == [True] * len(prefills), where  # every prefill: within the bound or merged
+            assert not merges, where
+    assert fused_steps > 0 and (merged_steps > 0) == (bound == 4), f"seed {seed}"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[x.value for x in LAYOUTS])
@@ -340,13 +363,13 @@ def test_post_quantized_rows_are_quantize_group_of_the_rows_and_touch_no_other(l
 
 def test_the_writer_writes_every_row_and_hands_the_backend_its_buffers(monkeypatch):
     """``everything`` is ``quantize_group`` of every row; ``varlen`` hands ``run_varlen_fp8_group`` the output as
-    ``[T, H*Dv]`` (the same bytes), the scales as given and the arithmetic; no merge; ``fused``: prefills with context
-    only while their context fits the workspace bound."""
+    ``[T, H*Dv]`` (the same bytes), the scales as given and the arithmetic; ``fused``: every prefill where the
+    backend lists the merge, else prefills with context only while their context fits the workspace bound."""
     t, width = 6, 256
     output, scales, allocation = sentinel_buffers(t, width, ScaleLayout.COLUMN_MAJOR_TMA)
     quant = GroupQuant(ue8m0=True, divide=True)
     writer = FP8GroupRows(output.view(t, 2, 128), scales, t, quant)
-    assert writer.merge is None and quant.format is formats.FP8_GROUP128_UE8M0
+    assert callable(writer.merge) and quant.format is formats.FP8_GROUP128_UE8M0
     assert GroupQuant(False, True).format is formats.FP8_GROUP128
     x = torch.randn(t, width).bfloat16().to(DEVICE)
     writer.everything(x)
@@ -368,9 +391,13 @@ def test_the_writer_writes_every_row_and_hands_the_backend_its_buffers(monkeypat
     assert seen["args"][:6] == (q, q, q, cu, 5, 0.5) and seen["args"][7] is scales
     assert out.shape == (t, width) and out.dtype == fp8.FP8 and out.data_ptr() == output.data_ptr()
     assert (seen["cu_seqlens_k"], seen["max_seqlen_k"], seen["ue8m0"], seen["divide"]) == (cu_k, 5, True, True)
+    class NoMerge(StandIn):
+        formats = {**base.FP8_WRITER, quant.format.name: frozenset({"varlen"})}
+
     with settings.use_context_workspace_tokens(5):
-        assert writer.fused(StandIn(), [0, 3, 2]) == [True, True, True]
-        assert writer.fused(StandIn(), [0, 3, 3]) == [True, False, False]
+        assert writer.fused(StandIn(), [0, 3, 3]) == [True, True, True]
+        assert writer.fused(NoMerge(), [0, 3, 2]) == [True, True, True]
+        assert writer.fused(NoMerge(), [0, 3, 3]) == [True, False, False]
 
 
 @pytest.mark.parametrize("kernel", ["reference", pytest.param("triton", marks=needs_triton)])
@@ -417,8 +444,6 @@ class NeverCalled:
     (dict(query_lens=[6, 3], context_lens=[0, 0]), r"k must have sum\(query_lens\) = 9 rows"),
     (dict(first_row=3), r"first_row \+ sum\(query_lens\) = 3 \+ 10"),
     (dict(context=None), "context_lens sum to 9 cached tokens but context is None"),
-    (dict(workspace_tokens=8), "run_prefills_fp8_group: context_lens sum to 9 cached tokens, beyond the context "
-                               "workspace bound of 8 tokens: fp8_group128_ue8m0 has no merge of context chunks"),
     (dict(workspace_tokens=0), r"run_prefills_fp8_group\(workspace_tokens\)"),
 ])
 def test_prefills_that_do_not_add_up_or_do_not_fit_are_refused_before_any_kernel_runs(change, match):
@@ -473,13 +498,14 @@ def test_the_guard_falls_back_for_a_v_head_dim_of_64_and_fuses_one_of_128():
 
 
 @pytest.mark.parametrize("arch, lists", [(None, False), (90, True), (100, False), (120, False)])
-def test_the_backends_write_both_group_formats_by_the_varlen_launch_only(monkeypatch, arch, lists):
+def test_the_backends_write_both_group_formats_by_the_varlen_launch_and_the_merge(monkeypatch, arch, lists):
     monkeypatch.setattr(fa4_backend, "device_arch", lambda index=None: arch)
     for output_format in (formats.FP8_GROUP128, formats.FP8_GROUP128_UE8M0):
         for name in ("reference", "triton", "fa4"):
             backend = backends.get_backend(name)
             assert base.writes(backend, output_format) is (name != "fa4" or lists), (name, arch)
-            assert not base.writes(backend, output_format, "merge") and not base.writes(backend, output_format, "paged")
+            assert base.writes(backend, output_format, "merge") is (name != "fa4" or lists), (name, arch)
+            assert not base.writes(backend, output_format, "paged")
         assert base.writes(backends.get_backend("fa4"), formats.NVFP4)
     assert [g.name for g in generations.GENERATIONS if "fp8_group128" in g.formats] == ["sm90"]
 

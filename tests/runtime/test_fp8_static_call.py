@@ -24,7 +24,7 @@ import torch
 import fusion_pass  # noqa: F401  (registers the ops)
 from fusion_pass import fp8, formats, kernels, runtime
 from fusion_pass.kernels import reference
-from fusion_pass.runtime import backends, counters, guard, settings
+from fusion_pass.runtime import backends, counters, fp8_rows, guard, settings
 from layer_cases import CPU, MLA_DIMS, OPS
 
 FP8 = torch.float8_e4m3fn
@@ -115,10 +115,10 @@ class _Spy:
 
 
 def _expected_fused(query_lens, context_lens, bound):
-    """Per request, whether the guard fuses it for FP8 static: prefills without context; prefills with context while
-    their context adds up to at most the bound."""
+    """Per request, whether the guard fuses it for FP8 static: every prefill (with context beyond the bound through
+    the merge); and whether the call merges (the prefills' context beyond the bound)."""
     total = sum(c for q, c in zip(query_lens, context_lens) if q > 1 and c)
-    return [q > 1 and (c == 0 or total <= bound) for q, c in zip(query_lens, context_lens)]
+    return [q > 1 for q in query_lens], total > bound
 
 
 def _run_schedule(monkeypatch, kind, dtype, kernel, bound, steps, seed, form="op"):
@@ -131,6 +131,13 @@ def _run_schedule(monkeypatch, kind, dtype, kernel, bound, steps, seed, form="op
         monkeypatch.setattr(backends, "get_backend", lambda n: backend)
     spy = _Spy(backend)
     monkeypatch.setattr(backend, "run_varlen_fp8_static", spy)
+    merges, merge = [], fp8_rows.FP8StaticRows.merge
+
+    def recorded_merge(self, backend_, out_a, lse_a, out_b, lse_b, first_row):
+        merges.append((out_a, lse_a, out_b, lse_b, first_row))
+        merge(self, backend_, out_a, lse_a, out_b, lse_b, first_row)
+
+    monkeypatch.setattr(fp8_rows.FP8StaticRows, "merge", recorded_merge)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     scale = torch.tensor([rng.choice([0.002, 0.0011, 0.01])])
     inv = fp8.reciprocal(scale)
@@ -155,14 +162,21 @@ def _run_schedule(monkeypatch, kind, dtype, kernel, bound, steps, seed, form="op
                     else:
                         op(*inputs, output, name, scale)
                 got = output.view(torch.uint8)
-                fused = _expected_fused(query_lens, context_lens, bound)
+                fused, merged = _expected_fused(query_lens, context_lens, bound)
                 rows = [f for f, q in zip(fused, query_lens) for _ in range(q)]
                 want = fp8.quantize_static(attn32.to(dtype), inv, nan=nan).view(torch.uint8)
                 if any(fused):
                     fused_steps += 1
-                    assert len(spy.calls) == calls + 1, f"one fused launch per call ({where})"
-                    own, span = spy.own_attention(kernel)  # over every prefill row: the unfused ones are rewritten
                     mask = torch.tensor(rows)
+                    if merged:  # the prefills' rows from the float32 merge of the partial attentions
+                        assert len(spy.calls) == calls and len(merges) == 1, f"one merge, no varlen launch ({where})"
+                        out_a, lse_a, out_b, lse_b, first = merges.pop()
+                        own = reference.merge_attention(out_a, lse_a, out_b, lse_b)[0].reshape(out_a.shape[0], -1)
+                        span = slice(first, first + own.shape[0])
+                        assert span == slice(spec.num_decode_tokens, t), where
+                    else:
+                        assert len(spy.calls) == calls + 1 and not merges, f"one fused launch per call ({where})"
+                        own, span = spy.own_attention(kernel)  # over every prefill row: the unfused ones rewritten
                     own_bytes = fp8.quantize_static(own, inv, nan=nan).view(torch.uint8)
                     want[span][mask[span]] = own_bytes[mask[span]]
                     bound32 = fp8.static_error_bound(attn32, scale) + (
@@ -202,8 +216,8 @@ def _run_schedule(monkeypatch, kind, dtype, kernel, bound, steps, seed, form="op
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bound", [1 << 16, 4])
 def test_reference_backend_writes_every_row_of_generated_schedules(monkeypatch, kind, dtype, bound):
-    """Bound 65536: prefills with context fused through the workspace; 4: their context exceeds it (no FP8 merge
-    exists), so their rows are post-quantized and counted as ``chunked_prefill``."""
+    """Bound 65536: prefills with context fused through the workspace; 4: their context exceeds it, so their rows are
+    the float32 merge of the context's chunks and the new tokens' attention, quantized (every prefill fused)."""
     seed = random.randrange(1 << 30)
     assert _run_schedule(monkeypatch, kind, dtype, "reference", bound, steps=8, seed=seed) > 0, f"seed {seed}"
 
@@ -336,10 +350,14 @@ def decide_rows(query_lens, context_lens, bound):
                             guard.LayerShape(CPU, torch.bfloat16, 2, 24, 16), output_format=formats.FP8_STATIC)
 
 
-def test_context_beyond_the_workspace_bound_is_refused_with_a_reason_never_silently():
+def test_context_beyond_the_workspace_bound_is_fused_by_the_merge_and_refused_without_one(monkeypatch):
     within = decide_rows([3, 4, 2], [0, 5, 6], 11)
     assert (within.path, within.fused_tokens, within.post_quantized) == ("fused", 9, {})
     beyond = decide_rows([3, 4, 2], [0, 5, 6], 10)
+    assert (beyond.path, beyond.fused_tokens, beyond.post_quantized) == ("fused", 9, {}), "merged beyond the bound"
+    reference_backend = backends.get_backend("reference")
+    monkeypatch.setattr(reference_backend, "formats", {**reference_backend.formats, "fp8_static": frozenset({"varlen"})})
+    beyond = decide_rows([3, 4, 2], [0, 5, 6], 10)  # a backend without the FP8 merge launch
     assert (beyond.path, beyond.fused_tokens, beyond.post_quantized) == ("partial", 3, {"chunked_prefill": 6})
     assert "exceed the context workspace bound (10 tokens)" in beyond.detail
     assert "no fp8_static merge" in beyond.detail

@@ -10,8 +10,9 @@ one launch over a paged KV cache (:meth:`Backend.run_paged`).
 Which output formats a backend writes, and by which launches, is its ``formats`` attribute (:func:`writes`): every
 backend writes NVFP4 (:meth:`Backend.run_varlen`, the merge, the paged launch); ``reference`` and ``triton`` (and
 ``fa4`` where its GPU generation lists them) also write static per-tensor FP8 (:meth:`run_varlen_fp8_static`) and the
-two FP8 128-column group formats (:meth:`run_varlen_fp8_group`), by the varlen launch only (no merge, no paged launch
-yet): :data:`FP8_WRITER`.
+two FP8 128-column group formats (:meth:`run_varlen_fp8_group`), by the varlen launch and the merge (the context
+beyond the workspace bound by :meth:`attention_lse` in chunks, merged in float32 and quantized by the format's row
+writer), no paged launch yet: :data:`FP8_WRITER`.
 
 What the rest of the run time needs to know of a backend is an attribute or a method of it (never a comparison of
 its name): the table of backends is :mod:`.registry`.
@@ -41,15 +42,16 @@ NVFP4_ONLY = {NVFP4.name: frozenset(LAUNCHES)}
 """The ``formats`` of a backend that says nothing: NVFP4 by every launch it has (the paged one only with
 ``handles_paged``)."""
 
-FP8_STATIC_WRITER = {**NVFP4_ONLY, FP8_STATIC.name: frozenset({"varlen"})}
-"""NVFP4 by every launch, and static per-tensor FP8 by the varlen launch (:meth:`Backend.run_varlen_fp8_static`)."""
+FP8_STATIC_WRITER = {**NVFP4_ONLY, FP8_STATIC.name: frozenset({"varlen", "merge"})}
+"""NVFP4 by every launch, and static per-tensor FP8 by the varlen launch (:meth:`Backend.run_varlen_fp8_static`) and
+the merge (:meth:`Backend.attention_lse`'s chunks merged and quantized by the row writer)."""
 
 FP8_GROUP_FORMATS = (FP8_GROUP128, FP8_GROUP128_UE8M0)
 """The FP8 128-column group formats (float32 scales, plain or UE8M0), both written by ``run_varlen_fp8_group``."""
 
-FP8_WRITER = {**FP8_STATIC_WRITER, **{f.name: frozenset({"varlen"}) for f in FP8_GROUP_FORMATS}}
+FP8_WRITER = {**FP8_STATIC_WRITER, **{f.name: frozenset({"varlen", "merge"}) for f in FP8_GROUP_FORMATS}}
 """:data:`FP8_STATIC_WRITER` and both FP8 group formats by the varlen launch (``run_varlen_fp8_group``, its arguments
-in :class:`Backend`'s list of optional members)."""
+in :class:`Backend`'s list of optional members) and the merge."""
 
 
 @runtime_checkable
