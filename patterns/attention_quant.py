@@ -194,26 +194,34 @@ def _fp8_static_buffers(width: int):
     return torch.empty(_T, width, dtype=torch.float8_e4m3fn), torch.ones(1, dtype=torch.float32)
 
 
-def mla_example_inputs():
+def _mla_inputs(dv: int):
+    """MLA's attention inputs and its query-dtype output buffer, ``v_head_dim = dv``."""
     nope, rope, lora = 16, 8, 32
     return (torch.randn(_T, _H, nope + rope, dtype=torch.bfloat16), torch.randn(_T, lora, dtype=torch.bfloat16),
-            torch.randn(_T, 1, rope, dtype=torch.bfloat16), torch.empty(_T, _H * _DV, dtype=torch.bfloat16),
-            *_nvfp4_buffers(_H * _DV))
+            torch.randn(_T, 1, rope, dtype=torch.bfloat16), torch.empty(_T, _H * dv, dtype=torch.bfloat16))
+
+
+def _attention_inputs(dv: int):
+    """Standard attention's inputs and its query-dtype output buffer, ``v_head_dim = dv``."""
+    d, hkv = 16, 1
+    return (torch.randn(_T, _H, d, dtype=torch.bfloat16), torch.randn(_T, hkv, d, dtype=torch.bfloat16),
+            torch.randn(_T, hkv, dv, dtype=torch.bfloat16), torch.empty(_T, _H, dv, dtype=torch.bfloat16))
+
+
+def mla_example_inputs():
+    return (*_mla_inputs(_DV), *_nvfp4_buffers(_H * _DV))
 
 
 def attention_example_inputs():
-    d, hkv = 16, 1
-    return (torch.randn(_T, _H, d, dtype=torch.bfloat16), torch.randn(_T, hkv, d, dtype=torch.bfloat16),
-            torch.randn(_T, hkv, _DV, dtype=torch.bfloat16), torch.empty(_T, _H, _DV, dtype=torch.bfloat16),
-            *_nvfp4_buffers(_H * _DV))
+    return (*_attention_inputs(_DV), *_nvfp4_buffers(_H * _DV))
 
 
 def mla_fp8_static_example_inputs():
-    return (*mla_example_inputs()[:4], *_fp8_static_buffers(_H * _DV))
+    return (*_mla_inputs(_DV), *_fp8_static_buffers(_H * _DV))
 
 
 def attention_fp8_static_example_inputs():
-    return (*attention_example_inputs()[:4], *_fp8_static_buffers(_H * _DV))
+    return (*_attention_inputs(_DV), *_fp8_static_buffers(_H * _DV))
 
 
 _GROUP_DV = 64  # two heads of 64: one 128-column group
@@ -226,17 +234,11 @@ def _fp8_group_buffers():
 
 
 def mla_fp8_group_example_inputs():
-    nope, rope, lora = 16, 8, 32
-    return (torch.randn(_T, _H, nope + rope, dtype=torch.bfloat16), torch.randn(_T, lora, dtype=torch.bfloat16),
-            torch.randn(_T, 1, rope, dtype=torch.bfloat16), torch.empty(_T, _H * _GROUP_DV, dtype=torch.bfloat16),
-            *_fp8_group_buffers())
+    return (*_mla_inputs(_GROUP_DV), *_fp8_group_buffers())
 
 
 def attention_fp8_group_example_inputs():
-    d, hkv = 16, 1
-    return (torch.randn(_T, _H, d, dtype=torch.bfloat16), torch.randn(_T, hkv, d, dtype=torch.bfloat16),
-            torch.randn(_T, hkv, _GROUP_DV, dtype=torch.bfloat16),
-            torch.empty(_T, _H, _GROUP_DV, dtype=torch.bfloat16), *_fp8_group_buffers())
+    return (*_attention_inputs(_GROUP_DV), *_fp8_group_buffers())
 
 
 def v_head_dim_fits_fp8_groups(shape) -> str | None:

@@ -47,17 +47,23 @@ PATTERN = {"dsv3": "mla_attention_fp8_static_quant", "qwen2": "attention_fp8_sta
            "dsv3_native": "mla_attention_fp8_static_native", "qwen2_native": "attention_fp8_static_native"}
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def runs(request, tmp_path_factory):
-    name = request.param
-    config, llm, env, workload = CONFIGS[name]
-    model = write_model(tmp_path_factory.mktemp("models") / f"tiny-{name}-fp8", config)
+def run_with_and_without_the_pass(tmp_path_factory, name: str, case: tuple) -> tuple:
+    """``(name, the run with the pass, the run without)`` of one configuration ``(model config, LLM arguments,
+    environment, workload)``, the model written once."""
+    config, llm, env, workload = case
+    model = write_model(tmp_path_factory.mktemp("models") / f"tiny-{name}", config)
     out = {}
     for with_pass in (True, False):
-        tmp = tmp_path_factory.mktemp(f"{name}_fp8_{'pass' if with_pass else 'plain'}")
+        tmp = tmp_path_factory.mktemp(f"{name}_{'pass' if with_pass else 'plain'}")
         out[with_pass] = run_engine(tmp, {"model": model, "pass": with_pass, "workload": workload, "llm": llm},
                                     FUSION_PASS_VLLM_IMPORT=IMPORTS, **env)
     return name, out[True], out[False]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def runs(request, tmp_path_factory):
+    name, fused, plain = run_with_and_without_the_pass(tmp_path_factory, f"{request.param}-fp8", CONFIGS[request.param])
+    return request.param, fused, plain
 
 
 def test_every_attention_layer_rewritten_to_write_fp8(runs):

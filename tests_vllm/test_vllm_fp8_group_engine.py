@@ -14,13 +14,13 @@ tokens equal to the run without the pass (up to an exact tie, as test_vllm_engin
 import pytest
 import torch
 
-from conftest import DSV3, run_engine, write_model
+from conftest import DSV3
 from fp8_test_quant import NAME
 from fusion_pass import fp8
 from test_vllm_engine import CHUNKED, CPU_MLA, check_tokens
+from test_vllm_fp8_engine import run_with_and_without_the_pass
 from tiny_models import QWEN2
 
-IMPORTS = "nvfp4_test_quant,fp8_test_quant"
 DEEPGEMM = {"quant_method": NAME, "group": {"ue8m0": True, "layout": "column_major_tma"}}
 CUTLASS = {"quant_method": NAME, "group": {"ue8m0": False, "layout": "column_major"}}
 
@@ -41,15 +41,9 @@ FORMAT = {"dsv3": "fp8_group128_ue8m0", "qwen2": "fp8_group128"}
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def runs(request, tmp_path_factory):
-    name = request.param
-    config, llm, env, workload = CONFIGS[name]
-    model = write_model(tmp_path_factory.mktemp("models") / f"tiny-{name}-fp8-group", config)
-    out = {}
-    for with_pass in (True, False):
-        tmp = tmp_path_factory.mktemp(f"{name}_fp8_group_{'pass' if with_pass else 'plain'}")
-        out[with_pass] = run_engine(tmp, {"model": model, "pass": with_pass, "workload": workload, "llm": llm},
-                                    FUSION_PASS_VLLM_IMPORT=IMPORTS, **env)
-    return name, out[True], out[False]
+    _, fused, plain = run_with_and_without_the_pass(tmp_path_factory, f"{request.param}-fp8-group",
+                                                    CONFIGS[request.param])
+    return request.param, fused, plain
 
 
 def test_every_attention_layer_rewritten_to_write_fp8_groups(runs):

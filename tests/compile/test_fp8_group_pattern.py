@@ -22,7 +22,7 @@ from fusion_pass import fp8, runtime
 from fusion_pass.compile.graph_pass import FusionPass
 from fusion_pass.runtime import BatchSpec
 
-from test_fp8_static_pattern import FP8Block
+from test_fp8_static_pattern import FP8Block, built_blocks
 from test_graph_pass import Recorder, compile_with, run_compiled, wrapped
 from test_graph_pass import _clean_compile_state, form  # noqa: F401  (the same fixtures: autouse state, both forms)
 
@@ -89,18 +89,7 @@ def group_o_proj(block: GroupBlock, scale_layout=fp8.ScaleLayout.COLUMN_MAJOR, *
 
 @pytest.fixture
 def make_block():
-    from fusion_pass.demo import models
-
-    built = []
-
-    def make(kind, seed=0, **kwargs):
-        block = GroupBlock(kind, seed, **kwargs)
-        built.append(block)
-        return block
-
-    yield make
-    for block in built:
-        models.release_layers(block)
+    yield from built_blocks(GroupBlock)
 
 
 def _getitem_source(node):

@@ -85,18 +85,24 @@ def _quantized_o_proj(block: FP8Block, *, grouped=False, gemm_scale=None, gemm=T
     return f
 
 
-@pytest.fixture
-def make_block():
+def built_blocks(cls):
+    """A fixture body: ``make(kind, seed=0, **kwargs)`` builds ``cls`` blocks, whose layers are released after the
+    test."""
     built = []
 
     def make(kind, seed=0, **kwargs):
-        block = FP8Block(kind, seed, **kwargs)
+        block = cls(kind, seed, **kwargs)
         built.append(block)
         return block
 
     yield make
     for block in built:
         models.release_layers(block)
+
+
+@pytest.fixture
+def make_block():
+    yield from built_blocks(FP8Block)
 
 
 def _batches(seed: int):
