@@ -244,8 +244,13 @@ class StepRunner:
     ``slab_rows`` is rounded up to whole pages of ``page_size`` rows; the regions the steps' layouts name must
     start on a page (:func:`plan_regions` with ``align=page_size``) for the paged variants."""
 
+    FORMAT = "nvfp4"
     VARIANTS = ("unfused", "unfused_split", "fused", "fused_all", "unfused_paged", "fused_paged", "pass_on",
                 "paged_bf16")
+    ABSENT: dict[str, str] = {}
+    """Variants this format has no kernel for, with the reason (none for NVFP4; see ``_serving_steps_fp8.py``)."""
+    CHECKED_PAIRS = CHECKED_PAIRS
+    INFO_PAIRS = INFO_PAIRS
 
     def __init__(self, kernels: Kernels, dims: AttnDims, layers: int, slab_rows: int, device, *, seed: int = 0,
                  page_size: int = DEFAULT_PAGE_SIZE):
@@ -295,21 +300,46 @@ class StepRunner:
         variant = ("fused_paged" if layout.decodes else "fused_all") if fuse else "unfused_paged"
         return {"plan": plan, "fused": bool(fuse), "variant": variant, "why": why}
 
-    def _variants(self, layout: StepLayout, qs: list, outs: dict, choice: dict) -> dict:
-        t, d, n = layout.tokens, layout.decodes, self.dims.heads * self.dims.dv
+    def call_args(self, layout: StepLayout) -> tuple:
+        """The step's offsets for the kernels: ``(cu_q, cu_k, qlens, klens, tk, paged)`` (int32 device tensors,
+        per-request query and key lengths, the packed keys' count, the paged calls' keyword arguments)."""
         i32 = dict(dtype=torch.int32, device=self.device)
         cu_q, cu_k = torch.tensor(layout.cu_q, **i32), torch.tensor(layout.cu_k, **i32)
         seqused_k = torch.tensor(layout.seqused_k, **i32)
         page_table = torch.tensor(page_table_rows(layout, self.page_size), **i32)
         qlens = [b - a for a, b in zip(layout.cu_q[:-1], layout.cu_q[1:])]
         klens = [b - a for a, b in zip(layout.cu_k[:-1], layout.cu_k[1:])]
-        tk = layout.cu_k[-1]
+        paged = dict(cu_seqlens=cu_q, max_seqlen=max(qlens), seqused_k=seqused_k, page_table=page_table,
+                     max_seqlen_k=max(klens), softmax_scale=self.scale, causal=True)
+        return cu_q, cu_k, qlens, klens, layout.cu_k[-1], paged
+
+    def gather(self, layout: StepLayout) -> None:
+        """Append the step's tokens to the slab and gather its keys into the packed workspace (not timed)."""
+        self.append(layout)
+        idx = torch.tensor(layout.key_rows, dtype=torch.long, device=self.device)
+        tk = len(layout.key_rows)
+        for src, dst in ((self.k_slab, self.k_ws), (self.v_slab, self.v_ws)):
+            for s, w in zip(src, dst):
+                torch.index_select(s, 0, idx, out=w[:tk])
+
+    def new_queries(self, layout: StepLayout) -> tuple[list, Callable[[], None]]:
+        """Per layer an uninitialized bf16 ``q [T, H, Dqk]``, and ``fresh()`` refilling them with randn."""
+        qs = [torch.empty(layout.tokens, self.dims.heads, self.dims.dqk, dtype=torch.bfloat16, device=self.device)
+              for _ in range(self.layers)]
+
+        def fresh(_i=0):
+            for q in qs:
+                q.normal_(generator=self.gen)
+
+        return qs, fresh
+
+    def _variants(self, layout: StepLayout, qs: list, outs: dict, choice: dict) -> dict:
+        t, d, n = layout.tokens, layout.decodes, self.dims.heads * self.dims.dv
+        cu_q, cu_k, qlens, klens, tk, paged = self.call_args(layout)
         attn, fused, quant, rows = (self.kernels.attention, self.kernels.fused, self.kernels.quantize_into,
                                     self.kernels.quantize_rows)
         attn_paged, fused_paged = self.kernels.attention_paged, self.kernels.fused_paged
         sc = self.scale
-        paged = dict(cu_seqlens=cu_q, max_seqlen=max(qlens), seqused_k=seqused_k, page_table=page_table,
-                     max_seqlen_k=max(klens), softmax_scale=sc, causal=True)
 
         def unfused(bufs):
             for q, k, v, (p, s) in zip(qs, self.k_ws, self.v_ws, bufs):
@@ -378,26 +408,22 @@ class StepRunner:
         calls of ``choice["variant"]``, :meth:`pass_on_choice` by default); ``fresh()`` refills the queries with
         randn; ``outs[name]`` holds per layer the ``(packed uint8 [T, H*Dv/2], scales float8_e4m3fn swizzled)``
         pair that variant writes (zeros until then)."""
-        self.append(layout)
-        idx = torch.tensor(layout.key_rows, dtype=torch.long, device=self.device)
-        tk = len(layout.key_rows)
-        for src, dst in ((self.k_slab, self.k_ws), (self.v_slab, self.v_ws)):
-            for s, w in zip(src, dst):
-                torch.index_select(s, 0, idx, out=w[:tk])
+        self.gather(layout)
         t, n = layout.tokens, self.dims.heads * self.dims.dv
-        qs = [torch.empty(t, self.dims.heads, self.dims.dqk, dtype=torch.bfloat16, device=self.device)
-              for _ in range(self.layers)]
+        qs, fresh = self.new_queries(layout)
         rows, cols = nvfp4.scale_shape(t, n)
         outs = {name: [(torch.zeros(t, n // 2, dtype=torch.uint8, device=self.device),
                         torch.zeros(rows, cols, dtype=torch.float8_e4m3fn, device=self.device))
                        for _ in range(self.layers)] for name in self.VARIANTS}
         variants = self._variants(layout, qs, outs, self.pass_on_choice(layout) if choice is None else choice)
-
-        def fresh(_i=0):
-            for q in qs:
-                q.normal_(generator=self.gen)
-
         return variants, fresh, outs
+
+    def bytes_equal(self, outs: dict) -> dict:
+        """``{pair_key(pair): bool}`` over :attr:`CHECKED_PAIRS` and :attr:`INFO_PAIRS`: whether the two variants
+        wrote the same bytes, every layer's buffers."""
+        return {pair_key((x, y)): all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                      for bufs_x, bufs_y in zip(outs[x], outs[y]) for a, b in zip(bufs_x, bufs_y))
+                for x, y in self.CHECKED_PAIRS + self.INFO_PAIRS}
 
     def run_step(self, layout: StepLayout, *, warmup: int, repeats: int, clock: str = "eager") -> dict:
         """:meth:`prepare` the step, then time every variant and compare their bytes pairwise (after one call
@@ -413,15 +439,13 @@ class StepRunner:
         (``warmup`` untimed calls first).
 
         Returns ``{"ms": {variant: median}, "bytes_equal": {pair_key(pair): bool}, "eager_instead":
-        {variant: why}, "pass_on": pass_on_choice(layout)}`` over :data:`CHECKED_PAIRS` and :data:`INFO_PAIRS`."""
+        {variant: why}, "pass_on": pass_on_choice(layout)}`` over :attr:`CHECKED_PAIRS` and :attr:`INFO_PAIRS`."""
         choice = self.pass_on_choice(layout)
         variants, fresh, outs = self.prepare(layout, choice)
         fresh()
         for call in variants.values():  # one call each on the same queries: compile, then compare bytes
             call()
-        equal = {pair_key((x, y)): all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-                                       for bufs_x, bufs_y in zip(outs[x], outs[y]) for a, b in zip(bufs_x, bufs_y))
-                 for x, y in CHECKED_PAIRS + INFO_PAIRS}
+        equal = self.bytes_equal(outs)
         ms, eager_instead = {}, {}
         if self.cuda and clock == "graph":
             try:

@@ -66,13 +66,34 @@ fused / all rows). On the CPU the model runs for the
 counters; --cpu-timing runs the timed steps on the reference kernels (wall time, meaningless as
 performance; the bytes are checked).
 
+--format fp8_static (issue 28; bench/_serving_steps_fp8.py) times the steps with a static per-tensor FP8 output
+instead: float8_e4m3fn [T, H*Dv] under one float32 scale, in the arithmetic of vLLM QuantFP8's native form (what
+vLLM builds by default, custom_ops="none": x.float() * inv_scale, clamp +-448, to float8_e4m3fn, a NaN kept). The
+fused kernel is FA4's SM90 static FP8 epilogue (fa4_attention_fp8_static_varlen, nan_to_max=False); the unfused
+quant is the native form (bench/_attention_formats.native_static, the function bench/attention.py compiles) compiled
+by torch.compile with the token dimension dynamic, as vLLM compiles it, before the first step. The variants:
+unfused, unfused_split, fused, fused_all and unfused_paged as above with that kernel and quant; fused_paged absent
+(no FP8 paged launch exists: reported absent, not as zero); pass_on what the pass does with a static FP8 call: a
+step without decode rows fused as fused_all; a step with decode rows has no one fused call, so it is split
+(fused's calls) where the pass splits (an MLA layer; a standard layer under FUSION_PASS_VLLM_SPLIT_MIXED=on) and
+the policy fuses that split class (mixed_split_free / mixed_split), else unfused_paged's calls: on SM90 always
+(the default FUSION_PASS_VLLM_SPLIT_MIXED=off leaves a standard layer's mixed call unfused, and the policy fuses
+neither split class there); and varlen_bf16 (FA4 bf16 over every row alone, no quant: the fused call's floor).
+Bytes: fused_all == unfused and fused == unfused_split required (FA4's FP8 kernel writes quantize_static of its
+own bf16 output, which the native form computes too); ratios as for NVFP4, the paged one absent, plus FA4 bf16
+alone / fused_all; pass_on's target: overall >= 1.02x of one unfused paged call, no step below 0.99x. --format
+changes the timed steps only: the demo models' o_proj is NVFP4 and fusion_pass/demo has no FP8 layer, so the
+model run (the token counts of the guard) is the NVFP4 pass's whatever --format says.
+
     python bench/serving_trace.py --tiny --json trace.json            # a CPU run (under a minute)
     python bench/serving_trace.py --tiny --timing-only --cpu-timing --steps 6        # the timed steps' logic
     python bench/serving_trace.py --device cuda --timing-only --budget 2048 --json t2048.json --markdown t2048.md
+    python bench/serving_trace.py --tiny --timing-only --cpu-timing --steps 6 --format fp8_static  # FP8's logic
 
 Exit code 2 when the installed fusion_pass has no per-token counters, --device cuda has no CUDA
-device, or FA4 does not run the model's attention there; 1 when the bytes of a required pair
-(fused_all == unfused, fused == unfused_split, fused_paged == unfused_paged) differ at a step.
+device, or FA4 does not run the model's attention there (with fp8_static: or its SM90 static FP8 epilogue
+does not); 1 when the bytes of a required pair (fused_all == unfused, fused == unfused_split,
+fused_paged == unfused_paged) differ at a step.
 """
 
 from __future__ import annotations
@@ -107,7 +128,9 @@ from fusion_pass.demo.models.common import MAX_POSITION  # noqa: E402
 from fusion_pass.runtime import BatchSpec, RequestSpec, counters, policy, settings  # noqa: E402
 
 import _serving_steps as steps_mod  # noqa: E402
+import _serving_steps_fp8 as fp8_steps  # noqa: E402
 from _kernels import fa4_kernels, fa4_status, reference_kernels  # noqa: E402
+from _serving_steps_fp8 import fa4_fp8_static_kernels, fp8_static_status, reference_fp8_static_kernels  # noqa: E402
 from _schedule import (FULL, TINY, Lengths, Step, TraceConfig, generate_schedule,  # noqa: E402
                        pure_prefill_gate_fraction, schedule_stats)
 
@@ -234,55 +257,97 @@ RATIOS = (  # (key in the "timing" entry, baseline, fused variant, label): per-s
     ("pass_on", "unfused_paged", "pass_on", "unfused (one paged call) / pass_on"),
     ("paged_alone", "paged_bf16", "fused_paged", "FA4 bf16 paged alone (no quant) / fused_paged"),
 )
+RATIOS_FP8 = RATIOS[:5] + (  # fp8_static: no fused_paged variant (its ratio reported absent); the fused call's floor
+    ("alone", "varlen_bf16", "fused_all", "FA4 bf16 alone (one call, no quant) / fused_all"),
+)
+FORMATS = ("nvfp4", "fp8_static")
+"""``--format``: the output the timed steps write (the demo model's run, for the token counts, is NVFP4's)."""
 SPEEDUP_KEYS = {"fused": "speedup", "fused_all": "speedup_all", "split": "speedup_split", "paged": "speedup_paged",
-                "pass_on": "speedup_pass_on", "paged_alone": "speedup_paged_alone"}  # per-step entry of each ratio
+                "pass_on": "speedup_pass_on", "paged_alone": "speedup_paged_alone",
+                "alone": "speedup_alone"}  # per-step entry of each ratio
 PAIR_WHAT = {"fused_all==unfused": "the same one call", "fused==unfused_split": "the same sub-batch calls",
              "fused_paged==unfused_paged": "the same one paged call",
              "fused==unfused": "other calls: informational",
              "unfused_paged==unfused": "paged vs packed keys, other calls: informational"}
 PASS_ON_TARGET = {"min_step_ratio": 0.99, "min_overall": 1.0}
 """``pass_on``'s target against ``unfused_paged``: no step below 0.99x, overall at least 1.00x."""
+PASS_ON_TARGETS = {"nvfp4": PASS_ON_TARGET, "fp8_static": {"min_step_ratio": 0.99, "min_overall": 1.02}}
+"""Per format (issue 28 for FP8: overall >= 1.02x of one unfused (paged) call, no step below 0.99x)."""
+FORMAT_SCOPE = ("the timed steps only: the demo models' o_proj is NVFP4 (fusion_pass/demo has no FP8 layer), so "
+                "the model run and its token counts are the NVFP4 pass's whatever --format says")
+
+
+def ratios_for(fmt: str) -> tuple:
+    """The ratios reported for an output format (:data:`RATIOS` for NVFP4, :data:`RATIOS_FP8` for FP8)."""
+    return RATIOS if fmt == "nvfp4" else RATIOS_FP8
+
+
+def _runner(fmt: str, cuda: bool, dims, layers: int, slab_rows: int, device: str, *, seed: int, page_size: int,
+            model: str):
+    """The format's kernels and :class:`StepRunner` (FP8: its quant compiled before the first step)."""
+    if fmt == "nvfp4":
+        kernels = fa4_kernels() if cuda else reference_kernels()
+        return steps_mod.StepRunner(kernels, dims, layers, slab_rows, device, seed=seed, page_size=page_size)
+    kernels = fa4_fp8_static_kernels(device) if cuda else reference_fp8_static_kernels()
+    return fp8_steps.Fp8StepRunner(kernels, dims, layers, slab_rows, device, seed=seed, page_size=page_size,
+                                   split_free=model == "mla")
 
 
 def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers: int, warmup: int, repeats: int,
                launch_us: float, seed: int, progress: bool = True, clock: str = "eager",
-               page_size: int = steps_mod.DEFAULT_PAGE_SIZE) -> dict:
-    """Time every busy step (see the module docstring); the ``timing`` entry of the JSON."""
+               page_size: int = steps_mod.DEFAULT_PAGE_SIZE, fmt: str = "nvfp4") -> dict:
+    """Time every busy step (see the module docstring) writing output format ``fmt`` (:data:`FORMATS`); the
+    ``timing`` entry of the JSON."""
+    if fmt not in FORMATS:
+        raise ValueError(f"time_trace: fmt must be one of {FORMATS}, got {fmt!r}")
     dims = steps_mod.attn_dims(model, tiny)
     cuda = device == "cuda"
-    kernels = fa4_kernels() if cuda else reference_kernels()
     regions, slab_rows = steps_mod.plan_regions(steps, align=page_size)
-    runner = steps_mod.StepRunner(kernels, dims, layers, max(slab_rows, 1), device, seed=seed, page_size=page_size)
+    runner = _runner(fmt, cuda, dims, layers, max(slab_rows, 1), device, seed=seed, page_size=page_size, model=model)
+    kernels = runner.kernels
+    ratios_spec = ratios_for(fmt)
+    variants = runner.VARIANTS
     per_step, verdicts = [], {}
     busy = [s for s in steps if s.chunks]
+    graphs = [_dynamo_graphs()]
+    if fmt != "nvfp4":
+        runner.warm_quant(max((s.tokens for s in busy), default=1))
+    graphs.append(_dynamo_graphs())
     for n, step in enumerate(busy, 1):
         spec = step.batch_spec()
         layout = steps_mod.step_layout(spec, regions)
         measured = runner.run_step(layout, warmup=warmup, repeats=repeats, clock=clock)
         ms, choice = measured["ms"], measured["pass_on"]
         every_row = steps_mod.ceiling_ms(layout.tokens, dims, layers, launch_us=launch_us)
+        fused_rows, pass_on_saving = _pass_on_saving(choice, layout, dims, layers, launch_us)
         entry = {"step": step.index, "kind": step.kind, "tokens": layout.tokens, "decode_rows": layout.decodes,
                  "prefill_rows": layout.prefill_tokens, "keys": layout.cu_k[-1],
                  "pages": sum(-(-k // page_size) for k in layout.seqused_k),
-                 **{f"{name}_ms": ms[name] for name in steps_mod.StepRunner.VARIANTS},
+                 **{f"{name}_ms": ms[name] for name in variants},
                  "pass_on": {k: choice[k] for k in ("plan", "fused", "variant")},
-                 "pass_on_fused_rows": layout.tokens if choice["fused"] else 0,
+                 "pass_on_fused_rows": fused_rows,
                  "ceiling_saving_ms": every_row,
                  "ceiling_saving_split_ms": steps_mod.split_ceiling_ms(layout, dims, layers, launch_us=launch_us),
-                 "ceiling_saving_pass_on_ms": every_row if choice["fused"] else 0.0,
-                 "no_saving_ms": 0.0,  # paged_alone: the fused call against a baseline that writes no quant
+                 "ceiling_saving_pass_on_ms": pass_on_saving,
+                 "no_saving_ms": 0.0,  # paged_alone / alone: the fused call against a baseline that writes no quant
                  "bytes_equal": measured["bytes_equal"], "eager_instead": measured["eager_instead"]}
-        for key, base, variant, _ in RATIOS:
-            entry[SPEEDUP_KEYS[key]] = ms[base] / ms[variant]
+        for key, base, variant, _ in ratios_spec:
+            if base in variants and variant in variants:
+                entry[SPEEDUP_KEYS[key]] = ms[base] / ms[variant]
         per_step.append(entry)
         verdicts.setdefault(choice["plan"], {"fused": choice["fused"], "variant": choice["variant"],
                                              "why": choice["why"]})
         if progress and (n % 25 == 0 or n == len(busy)):
             print(f"  timed {n}/{len(busy)} busy steps", flush=True)
     savings = {"fused": "ceiling_saving_ms", "fused_all": "ceiling_saving_ms", "split": "ceiling_saving_split_ms",
-               "paged": "ceiling_saving_ms", "pass_on": "ceiling_saving_pass_on_ms", "paged_alone": "no_saving_ms"}
+               "paged": "ceiling_saving_ms", "pass_on": "ceiling_saving_pass_on_ms", "paged_alone": "no_saving_ms",
+               "alone": "no_saving_ms"}
     ratios = {}
-    for key, base, variant, label in RATIOS:
+    for key, base, variant, label in ratios_spec:
+        missing = [runner.ABSENT[v] for v in (base, variant) if v in runner.ABSENT]
+        if missing:  # no kernel for this variant in this format: absent, not zero
+            ratios[key] = {"label": label, "baseline": base, "variant": variant, "absent": missing[0]}
+            continue
         stats = steps_mod.ratio_summary([t[f"{base}_ms"] for t in per_step], [t[f"{variant}_ms"] for t in per_step],
                                         [t[savings[key]] for t in per_step])
         ratios[key] = {"label": label, "baseline": base, "variant": variant, **stats}
@@ -292,28 +357,35 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
                         sum(steps_mod.ceiling_ms(t[rows], dims, layers) for t in per_step))
         return total / (total - saved) if total > saved else None
 
-    checked = [steps_mod.pair_key(p) for p in steps_mod.CHECKED_PAIRS]
+    checked = [steps_mod.pair_key(p) for p in runner.CHECKED_PAIRS]
     bytes_pairs = {key: {"checked": key in checked, "what": PAIR_WHAT.get(key, ""),
                          "differ_at": [t["step"] for t in per_step if not t["bytes_equal"][key]]}
-                   for key in (steps_mod.pair_key(p) for p in steps_mod.CHECKED_PAIRS + steps_mod.INFO_PAIRS)}
+                   for key in (steps_mod.pair_key(p) for p in runner.CHECKED_PAIRS + runner.INFO_PAIRS)}
+    what = (_what_fp8(cuda, page_size, runner) if fmt != "nvfp4" else
+            "per busy step, all layers' attention + NVFP4 output, every row through the same "
+            + ("FA4 kernels " if cuda else "kernels (here the reference's) ") +
+            "(unfused: FA4 bf16 over every row in one call + the quantizer; unfused_split: decode rows FA4 "
+            "bf16 + row-range quantizer, prefill rows FA4 bf16 + row-range quantizer, split as the runtime "
+            "splits them; fused: decode rows as in unfused_split, prefill rows the fused kernel, as the "
+            "runtime does; fused_all: every row fused in one call; unfused_paged: FA4 bf16 paged over every "
+            "row in one call + the quantizer, as vLLM's FLASH_ATTN; fused_paged: every row fused in one paged "
+            "call; pass_on: what the pass does under the default policy, per step: fused_all's call without "
+            "decode rows, fused_paged's or unfused_paged's with them as the policy says for mixed_one_call, "
+            "unfused_paged's on decode-only steps); keys context + new from a preallocated per-request KV "
+            f"slab appended in place, read in place through a page table (pages of {page_size} rows) by the "
+            "paged variants, gathered into a packed workspace outside the timed region (cu_seqlens_k) for "
+            "the others; ")
     return {
         "skipped": None,
+        "format": fmt,
         "device": torch.cuda.get_device_name() if cuda else "CPU",
         "kernels": kernels.name,
-        "what": ("per busy step, all layers' attention + NVFP4 output, every row through the same "
-                 + ("FA4 kernels " if cuda else "kernels (here the reference's) ") +
-                 "(unfused: FA4 bf16 over every row in one call + the quantizer; unfused_split: decode rows FA4 "
-                 "bf16 + row-range quantizer, prefill rows FA4 bf16 + row-range quantizer, split as the runtime "
-                 "splits them; fused: decode rows as in unfused_split, prefill rows the fused kernel, as the "
-                 "runtime does; fused_all: every row fused in one call; unfused_paged: FA4 bf16 paged over every "
-                 "row in one call + the quantizer, as vLLM's FLASH_ATTN; fused_paged: every row fused in one paged "
-                 "call; pass_on: what the pass does under the default policy, per step: fused_all's call without "
-                 "decode rows, fused_paged's or unfused_paged's with them as the policy says for mixed_one_call, "
-                 "unfused_paged's on decode-only steps); keys context + new from a preallocated per-request KV "
-                 f"slab appended in place, read in place through a page table (pages of {page_size} rows) by the "
-                 "paged variants, gathered into a packed workspace outside the timed region (cu_seqlens_k) for "
-                 "the others; "
-                 + (CLOCK_WHAT[clock] if cuda else "CPU wall time on the reference kernels (meaningless as performance)")),
+        "what": what + (CLOCK_WHAT[clock] if cuda else "CPU wall time on the reference kernels (meaningless as "
+                                                       "performance)"),
+        "variants": list(variants),
+        "absent": dict(runner.ABSENT),
+        "quant_graphs": None if fmt == "nvfp4" else {"before_the_steps": graphs[1] - graphs[0],
+                                                     "during_the_steps": _dynamo_graphs() - graphs[1]},
         "clock": clock if cuda else "cpu",
         "eager_instead": [{"step": t["step"], "variant": v, "why": why}
                           for t in per_step for v, why in t["eager_instead"].items()],
@@ -324,15 +396,17 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
                          f"4 * R * H * Dv bytes, at the H200's ~{steps_mod.H200_TBPS} TB/s, plus one launch of "
                          f"{launch_us:g} us (an assumption, --launch-us); R = every row (T) against unfused, the "
                          f"prefill rows (P; nothing without them) against unfused_split, T against unfused_paged "
-                         f"(for pass_on: T on the steps it fuses, nothing on the others); computed on paper, not "
-                         f"measured"),
+                         f"(for pass_on: T on the steps it fuses in one call, P's bytes less one launch on the steps "
+                         f"it splits, nothing on the others); computed on paper, not measured"),
         "launch_us": launch_us,
         **ratios,
         "ceiling_bytes_only_overall": bytes_only_overall("unfused", "tokens"),
         "ceiling_bytes_only_overall_split": bytes_only_overall("unfused_split", "prefill_rows"),
         "ceiling_bytes_only_overall_paged": bytes_only_overall("unfused_paged", "tokens"),
-        "pass_on_policy": pass_on_policy(per_step, ratios["pass_on"], verdicts, device),
-        **{f"total_{name}_ms": sum(t[f"{name}_ms"] for t in per_step) for name in steps_mod.StepRunner.VARIANTS},
+        "pass_on_policy": pass_on_policy(per_step, ratios["pass_on"], verdicts, device,
+                                         target=PASS_ON_TARGETS[fmt]),
+        **{f"total_{name}_ms": sum(t[f"{name}_ms"] for t in per_step) for name in variants},
+        **{f"total_{name}_ms": None for name in runner.ABSENT},
         "noise_floor": noise_floor(per_step),
         "bytes": bytes_pairs,
         "mismatched_steps": sorted({s for key in checked for s in bytes_pairs[key]["differ_at"]}),
@@ -340,11 +414,60 @@ def time_trace(steps: list[Step], *, model: str, tiny: bool, device: str, layers
     }
 
 
-def pass_on_policy(per_step: list[dict], ratio: dict, verdicts: dict, device: str) -> dict:
+def _dynamo_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far (the FP8 quant's compiles are the difference)."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    return int(dynamo_counters["stats"]["unique_graphs"])
+
+
+def _pass_on_saving(choice: dict, layout, dims, layers: int, launch_us: float) -> tuple[int, float]:
+    """``(rows pass_on writes fused, its ceiling saving against unfused_paged in ms)``: every row of a step it fuses
+    in one call (``fused_all``, ``fused_paged``); the prefill rows of a split step (``fused``: their bf16 pass
+    saved, one launch added: decode attention + decode quant + the fused call against one call + one quant); 0 on
+    the steps it does not fuse."""
+    variant = choice["variant"]
+    if variant in ("fused_all", "fused_paged"):
+        return layout.tokens, steps_mod.ceiling_ms(layout.tokens, dims, layers, launch_us=launch_us)
+    if variant == "fused":
+        return layout.prefill_tokens, steps_mod.ceiling_ms(layout.prefill_tokens, dims, layers, launch_us=-launch_us)
+    return 0, 0.0
+
+
+def _what_fp8(cuda: bool, page_size: int, runner) -> str:
+    """The FP8 timing's method, in words (the ``what`` entry, before the clock's)."""
+    kernels = "FA4 kernels " if cuda else "kernels (here the reference's) "
+    epilogue = ("FA4's SM90 static FP8 epilogue (fa4_attention_fp8_static_varlen, nan_to_max=False)" if cuda else
+                "the reference stand-in of FA4's SM90 static FP8 epilogue (quantize_static of the bf16-rounded "
+                "attention, NaN kept)")
+    quant = ("vLLM QuantFP8's native form (custom_ops='none', what vLLM builds by default: x.float() * inv_scale, "
+             "clamp +-448, to float8_e4m3fn, a NaN kept) compiled by torch.compile(fullgraph=True) with the token "
+             "dimension dynamic, as vLLM compiles it, before the first step; a new output tensor per call"
+             if cuda and fp8_steps.COMPILE_QUANT else "the native form, eager")
+    return (f"per busy step, all layers' attention + static per-tensor FP8 output (float8_e4m3fn [T, H*Dv], one "
+            f"float32 scale amax / 448 with amax {fp8_steps.AMAX:g}, multiplied by its IEEE inverse; NaN kept, the "
+            f"native form's rule), every row through the same {kernels}(unfused: FA4 bf16 over every row in one call "
+            f"+ the quant; unfused_split: decode rows FA4 bf16 + the quant of those rows, prefill rows FA4 bf16 + the "
+            f"quant of those rows, split as the runtime splits them; fused: decode rows as in unfused_split, prefill "
+            f"rows {epilogue}, as the runtime does; fused_all: every row by that kernel in one call; unfused_paged: "
+            f"FA4 bf16 paged over every row in one call + the quant, as vLLM's FLASH_ATTN + QuantFP8; fused_paged: "
+            f"absent ({runner.ABSENT['fused_paged']}); "
+            f"pass_on: what the pass does with a static FP8 call under the default policy: fused_all's call "
+            f"without decode rows; with decode rows no one fused call exists, so the split (fused's calls) where the "
+            f"pass splits and the policy fuses the split class, else unfused_paged's (on SM90 always: a standard "
+            f"layer's mixed call is not split under FUSION_PASS_VLLM_SPLIT_MIXED=off, the default, and the policy "
+            f"fuses neither split class); unfused_paged's on decode-only steps; varlen_bf16: FA4 bf16 over every row "
+            f"alone, no quant); the quant: {quant}; keys context + new from a preallocated per-request KV slab "
+            f"appended in place, read in place through a page table (pages of {page_size} rows) by unfused_paged, "
+            f"gathered into a packed workspace outside the timed region (cu_seqlens_k) for the others; ")
+
+
+def pass_on_policy(per_step: list[dict], ratio: dict, verdicts: dict, device: str,
+                   target: dict = PASS_ON_TARGET) -> dict:
     """What ``pass_on`` did: the policy's generation and verdict per plan met, the steps per variant it ran, the
-    fused share of rows (rows written fused / all rows), the target (:data:`PASS_ON_TARGET`) against
-    ``unfused_paged``, and the noise band: on the steps where ``pass_on`` runs ``unfused_paged``'s calls their
-    ratio differs from 1 by timing noise alone."""
+    fused share of rows (rows written fused / all rows), the ``target`` (:data:`PASS_ON_TARGETS` of the format)
+    against ``unfused_paged``, and the noise band: on the steps where ``pass_on`` runs ``unfused_paged``'s calls
+    their ratio differs from 1 by timing noise alone."""
     rows = sum(t["tokens"] for t in per_step)
     fused_rows = sum(t["pass_on_fused_rows"] for t in per_step)
     same = [t["unfused_paged_ms"] / t["pass_on_ms"] for t in per_step if t["pass_on"]["variant"] == "unfused_paged"]
@@ -352,9 +475,9 @@ def pass_on_policy(per_step: list[dict], ratio: dict, verdicts: dict, device: st
     return {"generation": policy.generation(device), "verdicts": verdicts,
             "steps_by_variant": dict(Counter(t["pass_on"]["variant"] for t in per_step)),
             "rows": rows, "fused_rows": fused_rows, "fused_share": fused_rows / rows if rows else None,
-            "target": {**PASS_ON_TARGET, "steps_below": below, "overall": overall,
+            "target": {**target, "steps_below": below, "overall": overall,
                        "met": bool(per_step) and below == 0 and overall is not None
-                       and overall >= PASS_ON_TARGET["min_overall"]},
+                       and overall >= target["min_overall"]},
             "noise": {"n": len(same), "min": min(same, default=None), "max": max(same, default=None)}}
 
 
@@ -494,6 +617,8 @@ def summary(doc: dict) -> str:
         p = doc["pass"]
         lines.append(f"pass: {p['rewritten']} of {p['candidates']} attention nodes rewritten in {p['graphs']} graphs"
                      + (f", refused {p['refused']}" if p["refused"] else ""))
+    if c.get("format", "nvfp4") != "nvfp4":
+        lines.append(f"output format {c['format']}: {FORMAT_SCOPE}")
     t = doc["timing"]
     if t["skipped"]:
         lines.append(f"timing: skipped ({t['skipped']})")
@@ -517,11 +642,22 @@ def _bytes_line(key: str, pair: dict, steps: int | None = None) -> str:
 
 def timing_lines(t: dict) -> list[str]:
     """The timing part of the summary: per-step ratio distributions beside the ceiling on paper, the bytes."""
-    lines = [f"timing on {t['device']} ({t['kernels']} kernels), {len(t['per_step'])} busy steps: {t['what']}",
-             f"  ceiling: {t['ceiling_note']}"]
-    width = max(len(label) for _, _, _, label in RATIOS)
-    for key, _, _, label in RATIOS:
+    fmt = t.get("format", "nvfp4")
+    lines = [f"timing on {t['device']} ({t['kernels']} kernels), {len(t['per_step'])} busy steps, output {fmt}: "
+             f"{t['what']}", f"  ceiling: {t['ceiling_note']}"]
+    lines += [f"  {v}: absent ({why})" for v, why in t.get("absent", {}).items()]
+    if t.get("quant_graphs") is not None:
+        g = t["quant_graphs"]
+        lines.append(f"  the quant: {g['before_the_steps']} graph(s) compiled by Dynamo before the first step, "
+                     f"{g['during_the_steps']} during the steps" + (" (recompiles inside the timed steps: their "
+                                                                     "timings may include a compile in warm-up only, "
+                                                                     "but check)" if g["during_the_steps"] else ""))
+    width = max(len(label) for _, _, _, label in ratios_for(fmt))
+    for key, _, _, label in ratios_for(fmt):
         r = t[key]
+        if r.get("absent"):
+            lines.append(f"  {label:{width}s} absent: {r['absent']}")
+            continue
         d, c = r["ratio"], r["ceiling"]
         lines.append(f"  {label:{width}s} per step: min {_x(d['min'])}, p10 {_x(d['p10'])}, median "
                      f"{_x(d['median'])}, p90 {_x(d['p90'])}, max {_x(d['max'])}; overall {_x(r['overall'])} "
@@ -545,11 +681,19 @@ def timing_lines(t: dict) -> list[str]:
     return lines
 
 
+TOTAL_LABELS = (("unfused", "unfused (one call)"), ("unfused_split", "unfused (split)"), ("fused", "fused (runtime)"),
+                ("fused_all", "fused_all"), ("unfused_paged", "unfused (one paged call)"),
+                ("fused_paged", "fused_paged"), ("pass_on", "pass_on"), ("varlen_bf16", "FA4 bf16 alone (one call)"))
+
+
 def _totals(t: dict) -> str:
-    return (f"unfused (one call) {t['total_unfused_ms']:.1f} ms, unfused (split) {t['total_unfused_split_ms']:.1f} ms, "
-            f"fused (runtime) {t['total_fused_ms']:.1f} ms, fused_all {t['total_fused_all_ms']:.1f} ms, "
-            f"unfused (one paged call) {t['total_unfused_paged_ms']:.1f} ms, fused_paged "
-            f"{t['total_fused_paged_ms']:.1f} ms, pass_on {t['total_pass_on_ms']:.1f} ms")
+    """The variants' total ms in words (a variant absent in this format: "absent")."""
+    parts = []
+    for name, label in TOTAL_LABELS:
+        key = f"total_{name}_ms"
+        if key in t:
+            parts.append(f"{label} " + ("absent" if t[key] is None else f"{t[key]:.1f} ms"))
+    return ", ".join(parts)
 
 
 def markdown(doc: dict, command: str) -> str:
@@ -564,14 +708,22 @@ def markdown(doc: dict, command: str) -> str:
              + ("n/a" if doc["fused_fraction"]["pure_prefill_gate"] is None
                 else f"{doc['fused_fraction']['pure_prefill_gate']:.3f}") + ", this guard "
              + ("not measured" if doc["fused_fraction"]["this"] is None else f"{doc['fused_fraction']['this']:.3f}")]
+    fmt = c.get("format", "nvfp4")
+    if fmt != "nvfp4":
+        lines.append(f"- Output format: {fmt}, {FORMAT_SCOPE}")
     if t["skipped"]:
         return "\n".join(lines + [f"- Timing skipped: {t['skipped']}"]) + "\n"
     lines += [f"- Method: {t['what']}", f"- KV cache: pages of {t['page_size']} rows ({t['kv_pages']} pages per layer)",
-              f"- Ceiling: {t['ceiling_note']}", "",
+              f"- Ceiling: {t['ceiling_note']}"]
+    lines += [f"- Absent: {v} ({why})" for v, why in t.get("absent", {}).items()]
+    lines += ["",
               "| ratio | min | p10 | median | p90 | max | overall | ceiling overall | saving taken | steps < 0.99x |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for key, _, _, label in RATIOS:
+    for key, _, _, label in ratios_for(t.get("format", "nvfp4")):
         r = t[key]
+        if r.get("absent"):
+            lines.append(f"| {label} | absent | | | | | | | | |")
+            continue
         d = r["ratio"]
         taken = "n/a" if r["saving_taken"] is None else f"{r['saving_taken']:.0%}"
         lines.append(f"| {label} | {_x(d['min'])} | {_x(d['p10'])} | {_x(d['median'])} | {_x(d['p90'])} | "
@@ -637,6 +789,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"timing: rows per page of the paged KV cache the paged variants read (default "
                              f"{steps_mod.DEFAULT_PAGE_SIZE}, vLLM's default block size); every request's region of "
                              f"the KV slab is whole pages")
+    parser.add_argument("--format", choices=FORMATS, default="nvfp4",
+                        help="the output the timed steps write (default nvfp4): fp8_static times a static per-tensor "
+                             "FP8 output (float8_e4m3fn [T, H*Dv], one float32 scale, vLLM QuantFP8's native form: "
+                             "FA4's SM90 FP8 epilogue fused, FA4 bf16 + the compiled native-form quant unfused; no "
+                             "fused_paged variant, reported absent; pass_on's target overall >= 1.02x). It changes "
+                             f"{FORMAT_SCOPE}")
     parser.add_argument("--timing-only", action="store_true",
                         help="time the steps but do not run the demo model (no counters: `this` is null)")
     parser.add_argument("--cpu-timing", action="store_true",
@@ -697,8 +855,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         dims = steps_mod.attn_dims(args.model, args.tiny)
         ok, why = fa4_status("cuda", torch.bfloat16, dims.heads, dims.dqk, dims.dv)
+        if ok and args.format == "fp8_static":
+            ok, why = fp8_static_status("cuda")
         if not ok:
-            print(f"serving_trace.py: the timed steps need FA4 with the NVFP4 epilogue for the {args.model} model's "
+            what = "the NVFP4 epilogue" if args.format == "nvfp4" else "its SM90 static FP8 epilogue"
+            print(f"serving_trace.py: the timed steps need FA4 with {what} for the {args.model} model's "
                   f"attention {dims}, and it does not run here: {why}", file=sys.stderr)
             return 2
     steps = generate_schedule(cfg)
@@ -717,12 +878,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         timing = time_trace(steps, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
                             warmup=args.warmup, repeats=args.repeats, launch_us=args.launch_us, seed=args.seed,
-                            clock=args.clock, page_size=args.page_size)
+                            clock=args.clock, page_size=args.page_size, fmt=args.format)
     doc = results_json(cfg, steps, run, model=args.model, tiny=args.tiny, device=args.device, layers=args.layers,
                        timing=timing)
     with settings.use_context_workspace_tokens(args.workspace_tokens):
         doc["config"]["context_workspace_tokens"] = settings.context_workspace_tokens()
     doc["config"]["page_size"] = args.page_size
+    doc["config"]["format"] = args.format
+    doc["config"]["format_scope"] = FORMAT_SCOPE if args.format != "nvfp4" else None
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))

@@ -876,3 +876,358 @@ def test_edges_of_the_summary_say_what_was_not_measured():
     assert st._bytes_line("a==b", pair, 3) == "a==b (the same one call): equal at every step"
     one = st._noise_line({"noise_floor": {"n": 1, "min": 0.97, "max": 0.97}})
     assert "on the one step without prefill rows" in one and "0.970x (one step: no band)" in one
+
+
+# --------------------------------------------------------------------------
+# --format fp8_static (bench/_serving_steps_fp8.py)
+# --------------------------------------------------------------------------
+
+fp8_steps = sys.modules["_serving_steps_fp8"]
+FP8_REFERENCE_KERNELS = fp8_steps.reference_fp8_static_kernels
+
+
+def test_format_option_parses_and_defaults_to_nvfp4(capsys):
+    assert st.parse_args([]).format == "nvfp4"
+    assert st.parse_args(["--format", "fp8_static"]).format == "fp8_static"
+    with pytest.raises(SystemExit) as exit_info:
+        st.parse_args(["--format", "fp8_group128"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'fp8_group128'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        st.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for text in ("--format {nvfp4,fp8_static}", "fp8_static", "native form", "fused_paged variant, reported absent",
+                 "fusion_pass/demo has no FP8 layer", "overall >= 1.02x", "FUSION_PASS_VLLM_SPLIT_MIXED=off"):
+        assert text in out, text
+
+
+def test_schedule_only_records_the_format(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    assert st.main(["--tiny", "--schedule-only", "--format", "fp8_static", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["config"]["format"] == "fp8_static" and "no FP8 layer" in doc["config"]["format_scope"]
+    assert doc["timing"]["skipped"]
+    assert "output format fp8_static: the timed steps only" in capsys.readouterr().out
+    assert st.main(["--tiny", "--schedule-only", "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["config"]["format"] == "nvfp4" and doc["config"]["format_scope"] is None
+    assert "output format" not in capsys.readouterr().out
+
+
+def test_cuda_without_fa4s_fp8_epilogue_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(st, "fa4_status", lambda *a: (True, ""))
+    monkeypatch.setattr(st, "fp8_static_status", lambda device: (False, "FA4's FP8 epilogues are SM90 kernels"))
+    assert st.main(["--device", "cuda", "--timing-only", "--steps", "2", "--format", "fp8_static"]) == 2
+    err = capsys.readouterr().err
+    assert "need FA4 with its SM90 static FP8 epilogue" in err and "SM90 kernels" in err
+
+
+def _fp8_logging_kernels(log: list):
+    """The FP8 reference kernels, each call logged as ``(kernel, arguments that pick the rows)``."""
+    ref = FP8_REFERENCE_KERNELS()
+
+    def attention(q, k, v, cu_seqlens, max_seqlen, **kw):
+        log.append(("attention", q.shape[0], tuple(cu_seqlens.tolist()), max_seqlen,
+                    tuple(kw["cu_seqlens_k"].tolist()), kw["max_seqlen_k"], k.shape[0]))
+        return ref.attention(q, k, v, cu_seqlens, max_seqlen, **kw)
+
+    def fused(q, k, v, **kw):
+        assert kw["nan_to_max"] is False, "the native form's NaN rule"
+        log.append(("fused", q.shape[0], tuple(kw["cu_seqlens"].tolist()), kw["max_seqlen"],
+                    tuple(kw["cu_seqlens_k"].tolist()), kw["max_seqlen_k"], k.shape[0]))
+        ref.fused(q, k, v, **kw)
+
+    def attention_paged(q, k_cache, v_cache, **kw):
+        log.append(("attention_paged", q.shape[0], tuple(kw["cu_seqlens"].tolist()), kw["max_seqlen"],
+                    tuple(kw["seqused_k"].tolist()), tuple(map(tuple, kw["page_table"].tolist())), kw["max_seqlen_k"],
+                    k_cache.shape[1]))
+        return ref.attention_paged(q, k_cache, v_cache, **kw)
+
+    def quant(x, inv_scale):
+        log.append(("quant", x.shape[0], x.storage_offset() // x.shape[1]))
+        return ref.quant(x, inv_scale)
+
+    return ref._replace(attention=attention, fused=fused, attention_paged=attention_paged, quant=quant)
+
+
+def _fp8_hand_step(shape: str, log: list, *, layers: int = 3, dims=None, split_free: bool = True, kernels=None):
+    """:func:`_hand_step` with the FP8 runner."""
+    chunks = tuple(Chunk(f"r{i}", q, c, q > 1) for i, (q, c) in enumerate(STEP_SHAPES[shape]))
+    spec = Step(0, chunks).batch_spec()
+    regions, top = {}, 0
+    for i, (q, c) in enumerate(STEP_SHAPES[shape]):
+        regions[f"r{i}"], top = top, top + -(-(q + c) // PAGE) * PAGE
+    layout = steps_mod.step_layout(spec, regions)
+    runner = fp8_steps.Fp8StepRunner(kernels or _fp8_logging_kernels(log), dims or steps_mod.AttnDims(4, 4, 48, 32),
+                                     layers, top, "cpu", page_size=PAGE, split_free=split_free)
+    gen = torch.Generator().manual_seed(0)
+    for slab in runner.k_slab + runner.v_slab:
+        slab.normal_(generator=gen)
+    return runner, layout
+
+
+@pytest.mark.parametrize("shape", sorted(STEP_SHAPES))
+def test_fp8_variants_make_the_calls_the_brief_names(shape):
+    """The FP8 variant table, layer by layer: unfused = FA4 bf16 over every row in one call + the quant of the whole
+    output; unfused_paged = FA4 bf16 paged over every row + the quant; fused_all = the fused FP8 kernel over every
+    row in one call; fused = decode rows FA4 bf16 + quant, prefill rows the fused kernel (the offsets of the
+    prefill sub-batch); unfused_split = the same decode calls, prefill rows FA4 bf16 + quant of rows [D, T);
+    varlen_bf16 = FA4 bf16 alone; no fused_paged. The required pairs agree byte for byte, every layer; every row
+    of every variant is written."""
+    log, layers = [], 3
+    runner, layout = _fp8_hand_step(shape, log, layers=layers)
+    assert "fused_paged" not in runner.VARIANTS and "fused_paged" in runner.ABSENT
+    variants, fresh, outs = runner.prepare(layout)
+    assert list(variants) == list(runner.VARIANTS)
+    fresh()
+    calls = _calls(variants, log)
+    d, t, cu_q, cu_k = layout.decodes, layout.tokens, layout.cu_q, layout.cu_k
+    tk = cu_k[-1]
+    qlens = [b - a for a, b in zip(cu_q[:-1], cu_q[1:])]
+    klens = [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]
+    every = ("attention", t, cu_q, max(qlens), cu_k, max(klens), tk)
+    decode = [("attention", d, cu_q[:d + 1], 1, cu_k[:d + 1], max(klens[:d]), cu_k[d]), ("quant", d, 0)] if d else []
+    prefill_args = (t, cu_q[d:], max(qlens[d:]), cu_k[d:], max(klens[d:]), tk) if d < len(qlens) else None
+    assert calls["unfused"] == layers * [every, ("quant", t, 0)]
+    assert calls["varlen_bf16"] == layers * [every]
+    assert calls["fused_all"] == layers * [("fused", t, cu_q, max(qlens), cu_k, max(klens), tk)]
+    if prefill_args:
+        assert calls["fused"] == layers * [*decode, ("fused", *prefill_args)]
+        assert calls["unfused_split"] == layers * [*decode, ("attention", *prefill_args), ("quant", t - d, d)]
+    else:
+        assert calls["unfused_split"] == calls["fused"] == layers * decode
+    if shape == "prefill":
+        assert calls["unfused_split"] == calls["unfused"] and calls["fused"] == calls["fused_all"]
+    seqused = tuple(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+    width = max(-(-n // PAGE) for n in seqused)
+    table = tuple(tuple(range(s // PAGE, s // PAGE + -(-n // PAGE))) + (0,) * (width - -(-n // PAGE))
+                  for s, n in zip(layout.starts, seqused))
+    assert calls["unfused_paged"] == layers * [("attention_paged", t, cu_q, max(qlens), seqused, table, max(klens),
+                                                PAGE), ("quant", t, 0)]
+    equal = runner.bytes_equal(outs)
+    assert set(equal) == {"fused_all==unfused", "fused==unfused_split", "fused==unfused", "unfused_paged==unfused"}
+    assert all(equal.values()), equal
+    n = runner.dims.heads * runner.dims.dv
+    for name in ("unfused", "unfused_split", "fused", "fused_all", "unfused_paged", "pass_on"):
+        for o in outs[name]:
+            got = o.bytes()
+            assert got.shape == (t, n) and got.ne(0).any(dim=1).all(), name
+    # the bytes are the native form's: quantize_static of the bf16 attention under the IEEE inverse, NaN kept
+    q8 = outs["unfused"][0].parts[0]
+    assert q8.dtype == torch.float8_e4m3fn and q8.shape == (t, n)
+    assert runner.inv_scale.item() == pytest.approx(448.0 / fp8_steps.AMAX)
+
+
+def _fp8_policy_step(shape: str, gen: str, monkeypatch, *, split_free: bool, split_mixed: str = "off",
+                     mode: str = "measured"):
+    from fusion_pass.runtime import policy, settings
+
+    monkeypatch.setattr(policy, "generation", lambda device: gen)
+    monkeypatch.delenv(settings.POLICY_ENV, raising=False)
+    monkeypatch.delenv(settings.SPLIT_MIXED_ENV, raising=False)
+    log = []
+    runner, layout = _fp8_hand_step(shape, log, layers=1, dims=steps_mod.AttnDims(2, 2, 16, 16),
+                                    split_free=split_free)
+    with settings.use_policy(mode), settings.use_split_mixed(split_mixed):
+        choice = runner.pass_on_choice(layout)
+        variants, fresh, outs = runner.prepare(layout)
+    fresh()
+    return choice, _calls(variants, log), outs
+
+
+# (generation, layer, FUSION_PASS_VLLM_SPLIT_MIXED) -> the variant pass_on runs for a prefill / mixed / decode step
+FP8_PASS_ON = {
+    ("sm90", "mla", "off"): {"prefill": "fused_all", "mixed": "unfused_paged", "decode": "unfused_paged"},
+    ("sm90", "gqa", "off"): {"prefill": "fused_all", "mixed": "unfused_paged", "decode": "unfused_paged"},
+    ("sm90", "gqa", "on"): {"prefill": "fused_all", "mixed": "unfused_paged", "decode": "unfused_paged"},
+    ("cpu", "mla", "off"): {"prefill": "fused_all", "mixed": "fused", "decode": "unfused_paged"},
+    ("cpu", "gqa", "off"): {"prefill": "fused_all", "mixed": "unfused_paged", "decode": "unfused_paged"},
+    ("cpu", "gqa", "on"): {"prefill": "fused_all", "mixed": "fused", "decode": "unfused_paged"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(FP8_PASS_ON))
+@pytest.mark.parametrize("shape", sorted(STEP_SHAPES))
+def test_fp8_pass_on_is_what_the_pass_does_with_a_static_fp8_call(case, shape, monkeypatch):
+    """No FP8 paged launch, so a mixed step is never one fused call: the split (``fused``'s calls) where the pass
+    splits (MLA; a standard layer under FUSION_PASS_VLLM_SPLIT_MIXED=on) and the policy fuses the split class, else
+    ``unfused_paged``; on SM90 that is always ``unfused_paged``. A step without decode rows is fused as
+    ``fused_all``; a decode-only step never."""
+    from fusion_pass.runtime import policy
+
+    gen, model, split_mixed = case
+    choice, calls, outs = _fp8_policy_step(shape, gen, monkeypatch, split_free=model == "mla",
+                                           split_mixed=split_mixed)
+    want = FP8_PASS_ON[case][shape]
+    assert choice["variant"] == want and choice["fused"] == (want != "unfused_paged")
+    if shape == "mixed":
+        plan = "mixed_split_free" if model == "mla" else "mixed_split"
+        assert choice["plan"] == plan and "no FP8 paged launch" in choice["why"]
+        if model == "gqa" and split_mixed == "off":
+            assert "FUSION_PASS_VLLM_SPLIT_MIXED=off" in choice["why"]
+        else:
+            assert choice["why"].endswith(policy.verdict("cpu", plan)[1])
+    else:
+        assert choice["plan"] == shape
+    assert calls["pass_on"] == calls[want]
+    assert torch.equal(outs["pass_on"][0].bytes(), outs[want][0].bytes())
+
+
+def test_fp8_pass_on_splits_mixed_steps_when_the_policy_says_always(monkeypatch):
+    choice, calls, _ = _fp8_policy_step("mixed", "sm90", monkeypatch, split_free=True, mode="always")
+    assert choice["variant"] == "fused" and calls["pass_on"] == calls["fused"]
+    choice, _, _ = _fp8_policy_step("mixed", "sm90", monkeypatch, split_free=False, mode="always")
+    assert choice["variant"] == "unfused_paged", "a standard layer's mixed call is not split by default"
+
+
+def test_fp8_warm_quant_compiles_at_the_trace_sizes_before_the_steps():
+    log = []
+    runner, _ = _fp8_hand_step("mixed", log, layers=1)
+    runner.warm_quant(40)
+    assert [c[:2] for c in log] == [("quant", 2), ("quant", 40), ("quant", 1)]
+    log.clear()
+    runner.warm_quant(1)
+    assert [c[:2] for c in log] == [("quant", 2), ("quant", 1)]
+
+
+def test_the_compiled_native_quant_writes_quantize_static_and_compiles_once_per_size_class():
+    """The quant as compiled for CUDA, here by Inductor for the CPU: bytes of ``fp8.quantize_static`` (NaN kept, as
+    the native form), the token dimension dynamic after the warm-up (no compile for other token counts or row
+    offsets, as the timed steps call it)."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    from fusion_pass import fp8
+
+    formats = sys.modules["_attention_formats"]
+    torch._dynamo.reset()
+    quant = torch.compile(formats.native_static, fullgraph=True)
+    _, inv = formats.static_scale(fp8_steps.AMAX, "cpu")
+    n = 64
+    for rows in (2, 40, 1):  # Fp8StepRunner.warm_quant's sizes
+        quant(torch.zeros(rows, n, dtype=torch.bfloat16), inv)
+    graphs = dynamo_counters["stats"]["unique_graphs"]
+    x = torch.randn(50, n, dtype=torch.bfloat16) * 3
+    x[3, 5] = float("nan")
+    x[4, 6] = float("inf")
+    for rows, offset in ((33, 0), (50, 0), (17, 33), (7, 3)):
+        got = quant(x[offset:offset + rows], inv)
+        want = fp8.quantize_static(x[offset:offset + rows], inv, nan=fp8.NaNRule.NAN)
+        nan = want.float().isnan()  # kept NaN (its sign is the CPU arithmetic's: docs/formats.md)
+        assert torch.equal(got.float().isnan(), nan), (rows, offset)
+        assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]), (rows, offset)
+    assert dynamo_counters["stats"]["unique_graphs"] == graphs, "a recompile inside the steps"
+    torch._dynamo.reset()
+
+
+def test_fp8_timed_steps_on_the_cpu_agree_byte_for_byte(tmp_path, capsys):
+    """--format fp8_static --cpu-timing: every busy step timed, the required pairs equal, fused_paged reported
+    absent (never zero), the FP8 ratios and pass_on's 1.02x target in the summary, the markdown and the JSON."""
+    path, md = tmp_path / "trace.json", tmp_path / "trace.md"
+    assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "12", "--prefix-hit-rate", "0.5",
+                    "--warmup", "0", "--repeats", "1", "--format", "fp8_static", "--json", str(path),
+                    "--markdown", str(md)]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    t, text = doc["timing"], md.read_text()
+    busy = [s for s in doc["per_step"] if s["tokens"]]
+    assert t["format"] == "fp8_static" and doc["config"]["format"] == "fp8_static"
+    assert t["skipped"] is None and t["mismatched_steps"] == [] and t["kernels"] == "reference"
+    assert [p["step"] for p in t["per_step"]] == [s["step"] for s in busy]
+    assert t["variants"] == list(fp8_steps.Fp8StepRunner.VARIANTS)
+    assert set(t["absent"]) == {"fused_paged"} and t["total_fused_paged_ms"] is None
+    assert all("fused_paged_ms" not in p and "speedup_paged" not in p for p in t["per_step"])
+    assert t["paged"]["absent"] and "ratio" not in t["paged"]
+    assert "paged_alone" not in t and t["alone"]["baseline"] == "varlen_bf16"
+    assert set(t["bytes"]) == {"fused_all==unfused", "fused==unfused_split", "fused==unfused", "unfused_paged==unfused"}
+    assert [k for k, v in t["bytes"].items() if v["checked"]] == ["fused_all==unfused", "fused==unfused_split"]
+    assert all(v["differ_at"] == [] for v in t["bytes"].values())
+    assert any(p["decode_rows"] and p["prefill_rows"] for p in t["per_step"]), "a mixed step"
+    for key, label in (("fused", "unfused (one call) / fused (runtime)"),
+                       ("fused_all", "unfused (one call) / fused_all (one call)"),
+                       ("split", "unfused (split like the runtime) / fused (runtime)"),
+                       ("pass_on", "unfused (one paged call) / pass_on"),
+                       ("alone", "FA4 bf16 alone (one call, no quant) / fused_all")):
+        assert t[key]["label"] == label and t[key]["ratio"]["n"] == len(busy)
+        assert f"  {label}" in out and f"| {label} |" in text
+    assert "| unfused (one paged call) / fused_paged | absent |" in text
+    assert "unfused (one paged call) / fused_paged" in out and "absent: no FP8 paged launch exists" in out
+    assert "fused_paged absent" in out and "- Absent: fused_paged (no FP8 paged launch exists" in text
+    for p in t["per_step"]:
+        assert p["speedup_pass_on"] == pytest.approx(p["unfused_paged_ms"] / p["pass_on_ms"])
+        assert p["speedup_alone"] == pytest.approx(p["varlen_bf16_ms"] / p["fused_all_ms"])
+        # the CPU's policy, MLA: a mixed step is split (no one fused call); decode-only steps never fused
+        want = ("fused_all" if not p["decode_rows"] else "fused" if p["prefill_rows"] else "unfused_paged")
+        assert p["pass_on"]["variant"] == want
+        assert p["pass_on_fused_rows"] == {"fused_all": p["tokens"], "fused": p["prefill_rows"]}.get(want, 0)
+    target = t["pass_on_policy"]["target"]
+    assert (target["min_step_ratio"], target["min_overall"]) == (0.99, 1.02)
+    assert "no step below 0.99x and overall >= 1.02x" in out and "no step below 0.99x and overall >= 1.02x" in text
+    assert t["quant_graphs"] == {"before_the_steps": 0, "during_the_steps": 0}, "the CPU's quant is eager"
+    assert "- Output format: fp8_static, the timed steps only" in text
+    assert "native form" in t["what"] and "ERROR" not in out
+
+
+def _fp8_corrupting():
+    """FP8 reference kernels whose fused calls flip one byte of the first row they write."""
+    ref = FP8_REFERENCE_KERNELS()
+
+    def fused(q, k, v, **kw):
+        ref.fused(q, k, v, **kw)
+        b = kw["output"].view(torch.uint8)
+        row = int(kw["cu_seqlens"][0])
+        b[row, 0] = b[row, 0] ^ 0xFF
+
+    return ref._replace(fused=fused)
+
+
+def test_a_corrupted_fp8_byte_fails_its_pairs_and_exits_1(monkeypatch, capsys):
+    monkeypatch.setattr(st, "reference_fp8_static_kernels", _fp8_corrupting)
+    assert st.main(["--tiny", "--timing-only", "--cpu-timing", "--steps", "6", "--warmup", "0", "--repeats", "1",
+                    "--layers", "1", "--format", "fp8_static"]) == 1
+    out = capsys.readouterr().out
+    assert "ERROR: bytes fused_all==unfused (the same one call): differ at" in out
+    assert "ERROR: bytes fused==unfused_split (the same sub-batch calls): differ at" in out
+
+
+def test_fp8_model_run_on_the_cpu_keeps_the_nvfp4_token_counts(tmp_path):
+    """The CPU model run with --format fp8_static: the demo model (NVFP4 o_proj) runs for the counters as without
+    it, and the timed steps on the reference kernels write the FP8 output."""
+    path = tmp_path / "trace.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--steps", "6", "--format", "fp8_static",
+                           "--cpu-timing", "--warmup", "0", "--repeats", "1", "--json", str(path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(path.read_text())
+    assert doc["config"]["format"] == "fp8_static" and doc["fused_fraction"]["this"] == 1.0
+    assert doc["counters"]["mismatched_steps"] == [] and doc["pass"]["rewritten"] > 0
+    assert doc["timing"]["format"] == "fp8_static" and doc["timing"]["mismatched_steps"] == []
+    assert "output format fp8_static: the timed steps only" in proc.stdout
+
+
+def test_fp8_graph_clock_replays_every_fp8_variant(trace_steps, monkeypatch):
+    """--clock graph with --format fp8_static: the FP8 variants (no fused_paged) go through the same interleaved
+    replay (the CUDA timers stood in, as above)."""
+    steps, layouts = trace_steps
+    few = [s for s in steps if s.index <= sorted(layouts)[2]]
+    seen = []
+
+    def graph_replay_interleaved_ms(fns, *, replays, warmup):
+        seen.append(list(fns))
+        for fn in fns.values():
+            fn()
+        return {name: [1.0, 2.0] for name in fns}
+
+    monkeypatch.setattr(steps_mod._timing, "graph_replay_interleaved_ms", graph_replay_interleaved_ms)
+    original_init = steps_mod.StepRunner.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.cuda = True
+
+    monkeypatch.setattr(steps_mod.StepRunner, "__init__", init)
+    t = st.time_trace(few, model="gqa", tiny=True, device="cpu", layers=1, warmup=0, repeats=2, launch_us=5.0,
+                      seed=0, progress=False, clock="graph", fmt="fp8_static")
+    assert seen and all(names == list(fp8_steps.Fp8StepRunner.VARIANTS) for names in seen)
+    assert len(seen) == len(t["per_step"]) and t["eager_instead"] == [] and t["mismatched_steps"] == []
+    assert all(p["unfused_ms"] == 1.5 and p["speedup_pass_on"] == 1.0 for p in t["per_step"])
