@@ -15,9 +15,10 @@ buffers (:func:`fusion_pass.formats.call_format`):
   reciprocal(scale)``, clamped to ±448, a NaN kept as NaN): ``output`` as above, ``output_inv_scale`` the graph's own
   reciprocal of the scale (float32, one element; multiplied as it is), no ``output_scale`` or ``output_block_scale``;
 * FP8 with one dynamic scale per row and 128 columns (vLLM's MLA op's convention, ``quant_group_size=128``):
-  ``output`` float8_e4m3fn as above, ``output_block_scale`` float32 ``[T, H*Dv/128]`` in one of the three group-scale
-  layouts (:class:`fusion_pass.fp8.ScaleLayout`; its strides say which, ``quant_col_major`` / ``quant_tma_aligned``
-  are not read, as vLLM's quant kernel does not read them), ``quant_scale_ue8m0`` for power-of-two scales, no
+  ``output`` float8_e4m3fn as above, ``output_block_scale`` float32 ``[T, H*Dv/128]``, as vLLM allocates it in one of
+  the three group-scale layouts (:class:`fusion_pass.fp8.ScaleLayout`; its strides say which, ``quant_col_major`` /
+  ``quant_tma_aligned`` are not read, as vLLM's quant kernel does not read them; other non-overlapping strides are
+  written through a row-major temporary), ``quant_scale_ue8m0`` for power-of-two scales, no
   ``output_scale``; the bytes of vLLM 0.33/0.34's ``per_token_group_fp8_quant`` (``x * (1 / s)``).
 """
 
@@ -172,13 +173,14 @@ def _check_fp8_group_buffers(op: str, t: int, num_heads: int, v_head_dim: int, q
     _check_fp8_output(op, t, num_heads, v_head_dim, q.device, output)
     want = [t, width // fp8.GROUP_SIZE]
     if not isinstance(output_block_scale, Tensor) or output_block_scale.dtype != torch.float32 or list(
-            output_block_scale.shape) != want or fp8.ScaleLayout.of(output_block_scale) is None:
+            output_block_scale.shape) != want or torch._debug_has_internal_overlap(output_block_scale) == 1:
         got = (f"{output_block_scale.dtype} {list(output_block_scale.shape)} strides "
                f"{list(output_block_scale.stride())}" if isinstance(output_block_scale, Tensor)
                else type(output_block_scale).__name__)
         raise ArgumentError(
-            f"{op}: output_block_scale must be the float32 group scales {want} ([T, H*Dv/128]), row-major, "
-            f"column-major (strides (1, T)) or TMA-aligned column-major (strides (1, round_up(T, 4))), got {got}")
+            f"{op}: output_block_scale must be the float32 group scales {want} ([T, H*Dv/128]) with no two "
+            f"elements at one address (row-major, column-major or TMA-aligned column-major as vLLM allocates them; "
+            f"other strides are written through a temporary), got {got}")
     if output_block_scale.device != q.device:
         raise ArgumentError(f"{op}: output_block_scale must be on the query's device {q.device}, got "
                             f"{output_block_scale.device}")
@@ -262,10 +264,14 @@ def _run(op: str, q: Tensor, inputs: tuple, output, layer_name, output_scale, ou
                                         quant_scale_ue8m0)
     check_attention_call(op, impl_, spec, q, inputs, output, output_scale, output_block_scale, output_format,
                          output_inv_scale, group)
-    if group is not None:
-        attention_call.run(impl_, inputs, spec, output, None, output_block_scale, layer_name=layer_name,
+    if group is not None:  # scales in strides no writer takes: written row-major, then copied into them
+        scales = (output_block_scale if fp8.writable_scales(output_block_scale)
+                  else torch.empty(output_block_scale.shape, dtype=torch.float32, device=q.device))
+        attention_call.run(impl_, inputs, spec, output, None, scales, layer_name=layer_name,
                            output_format=output_format,
                            fp8_quant=fp8_group_rows.GroupQuant(ue8m0=bool(quant_scale_ue8m0), divide=False))
+        if scales is not output_block_scale:
+            output_block_scale.copy_(scales)
         return
     if output_inv_scale is not None:
         attention_call.run(impl_, inputs, spec, output, output_inv_scale, None, layer_name=layer_name,

@@ -50,6 +50,15 @@ class GroupBlock(FP8Block):
         self.w_group_scales = blocks
 
 
+def padded_scale_buffer(t, groups: int, column_step: int = 1) -> torch.Tensor:
+    """Column-major scales with a leading stride of ``T + 2`` (the first rows of a longer buffer, not one of vLLM's
+    three layouts), or with ``column_step`` 2 a row-major view skipping every other column (no layout the writers
+    take)."""
+    if column_step == 1:
+        return torch.full((groups, t + 2), 7.0)[:, :t].t()
+    return torch.full((t, 2 * groups), 7.0)[:, ::2]
+
+
 def scale_buffer(t, groups: int, scale_layout: fp8.ScaleLayout, tma_as_slice: bool = False) -> torch.Tensor:
     """The group scales as vLLM's ``per_token_group_quant_fp8`` allocates them (``t`` may be symbolic): row-major
     ``empty``, column-major ``empty([G, T]).permute``, TMA-aligned ``empty_strided([T, G], (1, round_up(T, 4)))``;
@@ -66,7 +75,7 @@ def scale_buffer(t, groups: int, scale_layout: fp8.ScaleLayout, tma_as_slice: bo
 
 
 def group_o_proj(block: GroupBlock, scale_layout=fp8.ScaleLayout.COLUMN_MAJOR, *, ue8m0=False, group=128,
-                 eps=1e-10, gemm=True, scales_read=True, tma_as_slice=False):
+                 eps=1e-10, gemm=True, scales_read=True, tma_as_slice=False, padded_step=None):
     """attention -> per_token_group_fp8_quant -> fp8_group_gemm, as vLLM's block-FP8 linear calls them; returns the
     codes, the scales and the GEMM's output."""
 
@@ -74,7 +83,8 @@ def group_o_proj(block: GroupBlock, scale_layout=fp8.ScaleLayout.COLUMN_MAJOR, *
         out = block.attn(a, b, c).reshape(a.shape[0], -1)
         t, width = out.shape
         codes = torch.empty(t, width, dtype=torch.float8_e4m3fn)
-        scales = scale_buffer(t, width // 128, scale_layout, tma_as_slice)
+        scales = (scale_buffer(t, width // 128, scale_layout, tma_as_slice) if padded_step is None
+                  else padded_scale_buffer(t, width // 128, padded_step))
         OPS.per_token_group_fp8_quant(out, codes, scales, group, eps, -448.0, 448.0, ue8m0,
                                       scale_layout is not fp8.ScaleLayout.ROW_MAJOR,
                                       scale_layout is fp8.ScaleLayout.COLUMN_MAJOR_TMA)
@@ -217,3 +227,27 @@ def test_refusals(make_block, form, case, reason):
     assert fp.report()["rewritten"] == 0
     assert fp.report()["refused"] == {reason: 1}
     assert [n for n in rec.after[0].nodes if wrapped(n) is GROUP_QUANT], "the quant stays"
+
+
+@pytest.mark.parametrize("column_step", [1, 2], ids=["leading_stride_t_plus_2", "every_other_column"])
+def test_scales_in_other_strides_are_written_through_them(make_block, column_step):
+    """vLLM-form v1 graphs whose scale buffer has strides outside vLLM's three layouts: column-major with a leading
+    stride of ``T + 2`` (the first rows of a longer buffer: written in place) and a view skipping every other column
+    (written through a temporary): rewritten, and the fused graph's steps give the unfused graph's decode bytes and
+    scales, in the caller's buffer."""
+    block = make_block("gqa", 5)
+    with inductor_config.patch(enable_auto_functionalized_v2=False):
+        fn = group_o_proj(block, padded_step=column_step)
+        first, step = BatchSpec.from_lens([6]), BatchSpec.from_lens([1, 5], [6, 0], ["r0", "r1"])
+        x0, x1 = block.inputs(first, 1), block.inputs(step, 2)
+        with torch.no_grad():
+            for spec, x in ((first, x0), (step, x1)):
+                with runtime.batch(spec):
+                    want = fn(*x)  # the eager steps (the cache grows as the compiled steps' will)
+        runtime.clear_kv_caches()
+        fp = FusionPass()
+        compiled = compile_with(fn, Recorder(fp))
+        got = [run_compiled(compiled, spec, *x) for spec, x in ((first, x0), (step, x1))][1]
+        assert fp.report()["rewritten"] == 1, fp.report()["refused"]
+        assert torch.equal(got[0][0].view(torch.uint8), want[0][0].view(torch.uint8))
+        assert torch.equal(got[1][0], want[1][0])

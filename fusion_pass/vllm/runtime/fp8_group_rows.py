@@ -85,7 +85,7 @@ def check_call(name: str, output, output_scale, output_block_scale, quant_group_
     want = [t, width // fp8.GROUP_SIZE]
     if (width % fp8.GROUP_SIZE or not isinstance(output_block_scale, torch.Tensor)
             or output_block_scale.dtype != torch.float32 or list(output_block_scale.shape) != want
-            or fp8.ScaleLayout.of(output_block_scale) is None):
+            or not fp8.writable_scales(output_block_scale)):
         got = (f"{output_block_scale.dtype} {list(output_block_scale.shape)} strides "
                f"{list(output_block_scale.stride())}" if isinstance(output_block_scale, torch.Tensor)
                else type(output_block_scale).__name__)
