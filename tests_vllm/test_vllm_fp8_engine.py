@@ -66,13 +66,17 @@ def runs(request, tmp_path_factory):
     return request.param, fused, plain
 
 
-def test_every_attention_layer_rewritten_to_write_fp8(runs):
-    name, fused, _ = runs
-    report = fused["report"]
+def assert_every_layer_rewritten(report: dict, pattern: str) -> None:
+    """One graph, both attention layers rewritten by the entry ``pattern``."""
     assert report["disabled_reason"] is None and report["graphs"] == 1, report
     assert report["candidates"] == report["rewritten"] == 2, report
     assert [(l["layer"], l["pattern"], l["outcome"]) for l in report["per_graph"][0]["layers"]] == [
-        (f"model.layers.{i}.self_attn.attn", PATTERN[name], "rewritten") for i in range(2)]
+        (f"model.layers.{i}.self_attn.attn", pattern, "rewritten") for i in range(2)]
+
+
+def test_every_attention_layer_rewritten_to_write_fp8(runs):
+    name, fused, _ = runs
+    assert_every_layer_rewritten(fused["report"], PATTERN[name])
 
 
 def _bound(p_hat):

@@ -18,7 +18,7 @@ from conftest import DSV3
 from fp8_test_quant import NAME
 from fusion_pass import fp8
 from test_vllm_engine import CHUNKED, CPU_MLA, check_tokens
-from test_vllm_fp8_engine import run_with_and_without_the_pass
+from test_vllm_fp8_engine import assert_every_layer_rewritten, run_with_and_without_the_pass
 from tiny_models import QWEN2
 
 DEEPGEMM = {"quant_method": NAME, "group": {"ue8m0": True, "layout": "column_major_tma"}}
@@ -48,11 +48,7 @@ def runs(request, tmp_path_factory):
 
 def test_every_attention_layer_rewritten_to_write_fp8_groups(runs):
     name, fused, _ = runs
-    report = fused["report"]
-    assert report["disabled_reason"] is None and report["graphs"] == 1, report
-    assert report["candidates"] == report["rewritten"] == 2, report
-    assert [(l["layer"], l["pattern"], l["outcome"]) for l in report["per_graph"][0]["layers"]] == [
-        (f"model.layers.{i}.self_attn.attn", PATTERN[name], "rewritten") for i in range(2)]
+    assert_every_layer_rewritten(fused["report"], PATTERN[name])
 
 
 def check_groups(fa, fs, pa, ps, decode_rows, ue8m0: bool, what: str) -> None:
