@@ -187,7 +187,7 @@ def _op_format(output, output_scale, output_block_scale):
         return fmt
     if fmt is None:
         raise ValueError("fusion_pass vLLM attention op: output_scale is None: the fused op writes a quantized output "
-                         "(NVFP4 or static FP8), never the query dtype")
+                         "(NVFP4, static FP8 or FP8 groups), never the query dtype")
     fp8_static_rows.check_call("fusion_pass vLLM attention op", output, output_scale, output_block_scale)
     return FP8_STATIC
 

@@ -2,7 +2,7 @@
 (:func:`run_one_call`, where the guard decided so: ``Decision.one_call``; NVFP4 only), or every prefill row by the
 fused backend and every decode row by vLLM's own backend on the decode requests alone, quantized by the unfused
 graph's quant op (the split, below). The buffers are the call's format's
-(:mod:`fusion_pass.vllm.runtime.call_buffers`: NVFP4 or static FP8); the plan is the same for both.
+(:mod:`fusion_pass.vllm.runtime.call_buffers`: NVFP4, static FP8 or FP8 groups); the plan is the same for all.
 
 Rows are the batch's in vLLM's request order (:class:`fusion_pass.vllm.adapters.host_rows.StepRows`; FLASH_ATTN and
 CPU_ATTN do not reorder decode requests first, so decode and prefill rows may interleave; FLASHINFER does):
