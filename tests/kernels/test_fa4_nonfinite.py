@@ -37,17 +37,24 @@ those heads' rows non-finite; a +Inf key gives ``±Inf`` scores (``+Inf`` -> NaN
 out), so for it only some seeing row must change. Their exact bytes are not compared (the reference differs there
 in documented ways: docs/design.md "A NaN or an infinity in the inputs").
 
-The known leak. FA4 4.0.0b36's SM90 main loop, which every project kernel inherits unchanged (the project
-overrides only the epilogue), multiplies masked ``P = 0`` by every value row it loaded. :func:`_varlen_leak_model`
-/ :func:`_paged_leak_model` predict exactly which rows that changes (every row of each query tile that loads the
-poisoned value row; a varlen sequence's last key tile also loads the next sequence's first rows; a 128-row page is
-loaded whole, a 16-row page only up to the sequence's end; their docstrings say where in FA4; the model agrees with
-the H200 measurements in docs/design.md). While :data:`FA4_MULTIPLIES_MASKED_VALUES` is true for the kind of call
-(varlen, paged), a case whose changed hidden rows are exactly the model's xfails, with the rows in the reason
-(``pytest -rx``; ``--runxfail`` turns each into a :class:`HiddenRowsChanged` failure listing them); any other set
-of changed hidden rows fails (:class:`HiddenRowsChanged`, listing the rows per sequence), and so does a case where
-the model predicted a change and none came (FA4 changed, or the fix landed: set the flag False). K poison is
-expected never to leak (FA4 overwrites masked scores with ``-inf``, a select, NaN included).
+The leak and its fix. FA4 4.0.0b36's SM90 main loop multiplies masked ``P = 0`` by every value row it loaded:
+:func:`_varlen_leak_model` / :func:`_paged_leak_model` predict exactly which rows compute with the poisoned value
+row (every row of each query tile that loads it; a varlen sequence's last key tile also loads the next sequence's
+first rows; a 128-row page is loaded whole, a 16-row page only up to the sequence's end; their docstrings say where
+in FA4). Every project SM90 kernel (the twin and the fused ones) puts back, before its epilogue, the elements that
+product turned into NaN (:mod:`fusion_pass.kernels.fa4.sm90_exact`): recomputed in float32 over the keys the row
+sees. So, while :data:`FA4_MULTIPLIES_MASKED_VALUES` says the kernels put back:
+
+* every hidden row is finite (item 2 above);
+* a hidden row outside the model keeps its bytes exactly (item 1); one inside it may differ from the clean run by
+  the put-back's rounding (float32 probabilities where FA4 rounds them to the query dtype), nowhere else;
+* bf16 entries: the hidden rows within bf16 rounding of the reference (item 3);
+* quantized entries: the fused bytes equal the format's reference quantizer of the twin's output on the same
+  poisoned inputs, every row (the kernels' contract, poison and put-back included).
+
+With the flag False for a kind (the put-back removed), a changed hidden row of the model xfails (strict) as FA4's
+known leak, any other fails (:class:`HiddenRowsChanged`). K poison is expected never to leak (FA4 overwrites masked
+scores with ``-inf``, a select, NaN included).
 
 GPU only: an SM90 device (H100/H200) with FA4 (the ``fa4`` extra); skipped otherwise, with the reason.
 """
@@ -60,7 +67,7 @@ import random
 import pytest
 import torch
 
-from fusion_pass import kernels, nvfp4
+from fusion_pass import fp8, kernels, nvfp4
 from fusion_pass.kernels import reference
 from fusion_pass.kernels.fa4 import forward as fa4_forward, sm90
 
@@ -70,8 +77,11 @@ pytestmark = gpu
 
 FA4_MULTIPLIES_MASKED_VALUES = {"varlen": True, "paged": True}
 """Per kind of call: FA4's SM90 ``P @ V`` multiplies the masked probabilities 0 by every value row loaded into the
-tile (inherited unchanged by the fused kernels and the twin). Set False for the calls whose kernels mask
-non-finite values: then any changed hidden row fails."""
+tile (the rows :func:`_varlen_leak_model` / :func:`_paged_leak_model` predict)."""
+
+KERNELS_PUT_BACK = {"varlen": True, "paged": True}
+"""Per kind of call: the project's SM90 kernels put back what that product turned into NaN
+(:mod:`fusion_pass.kernels.fa4.sm90_exact`). False: the model's rows are expected to leak (strict xfail)."""
 
 LENGTHS = (1, 7, 63, 64, 65, 130, 200)
 CASES = range(3)  # generated cases (a fresh seed each) per parameter combination
@@ -241,26 +251,64 @@ def _by_sequence(rows, query_lens) -> str:
     return "; ".join(parts)
 
 
-def _verdict(clean: Rows, dirty: Rows, hidden: torch.Tensor, sees: torch.Tensor, predicted: set[int],
+def _verdict(clean: Rows, dirty: Rows, hidden: torch.Tensor, sees: torch.Tensor, reached: set[int],
              query_lens, where: str, kind: str) -> None:
+    """``reached``: the rows FA4 computes with the poisoned value row (the leak model; empty for a key)."""
     changed = (clean.bytes != dirty.bytes).any(-1)
-    bad = (changed | ~dirty.finite) & hidden
-    leaked = set(bad.nonzero()[:, 0].tolist())
-    predicted = predicted & set(hidden.nonzero()[:, 0].tolist()) if FA4_MULTIPLIES_MASKED_VALUES[kind] else set()
     clean_bad = set((~clean.finite).nonzero()[:, 0].tolist())
     assert not clean_bad, f"the clean run has non-finite rows: {_by_sequence(clean_bad, query_lens)} ({where})"
     if sees.any():
         assert (changed & sees).any(), f"no row that sees the poisoned token changed: the poison was not read ({where})"
+    hidden_rows = set(hidden.nonzero()[:, 0].tolist())
+    reached = reached & hidden_rows if FA4_MULTIPLIES_MASKED_VALUES[kind] else set()
+    not_finite = set((~dirty.finite & hidden).nonzero()[:, 0].tolist())
+    if KERNELS_PUT_BACK[kind]:
+        if not_finite:
+            raise HiddenRowsChanged(f"rows that cannot see the poisoned token are not finite: "
+                                    f"{_by_sequence(not_finite, query_lens)}; the leak model's rows: "
+                                    f"{_by_sequence(reached, query_lens)} ({where})")
+        outside = set((changed & hidden).nonzero()[:, 0].tolist()) - reached
+        if outside:
+            raise HiddenRowsChanged(f"rows the poisoned value row never reached changed: "
+                                    f"{_by_sequence(outside, query_lens)} ({where})")
+        return
+    leaked = set(((changed | ~dirty.finite) & hidden).nonzero()[:, 0].tolist())
     if leaked:
-        not_finite = set((~dirty.finite & hidden).nonzero()[:, 0].tolist())
         detail = (f"rows that cannot see the poisoned token changed: {_by_sequence(leaked, query_lens)}; "
                   f"of them not finite: {_by_sequence(not_finite, query_lens)} ({where})")
-        if leaked == predicted:
+        if leaked == reached:
             pytest.xfail(f"FA4's masked 0 * NaN in P @ V, exactly the rows its model predicts: {detail}")
-        raise HiddenRowsChanged(f"{detail}; the model of FA4's leak predicted: {_by_sequence(predicted, query_lens)}")
-    assert not predicted, (f"the model of FA4's leak predicted {_by_sequence(predicted, query_lens)} to change, and no "
-                           f"hidden row changed: FA4 masks now (or the model is wrong): set "
-                           f"FA4_MULTIPLIES_MASKED_VALUES[{kind!r}] = False if the fix landed ({where})")
+        raise HiddenRowsChanged(f"{detail}; the model of FA4's leak predicted: {_by_sequence(reached, query_lens)}")
+    assert not reached, (f"the model of FA4's leak predicted {_by_sequence(reached, query_lens)} to change, and no "
+                         f"hidden row changed: FA4 masks now (or the model is wrong) ({where})")
+
+
+def _quantized_twin(entry: str, twin: torch.Tensor) -> Rows:
+    """The format's reference quantizer of the twin's output ``[T, H, Dv]``: what the fused entry must write."""
+    t = twin.shape[0]
+    x = twin.reshape(t, -1)
+    if entry in ("nvfp4", "paged_nvfp4"):
+        gs = torch.tensor([GLOBAL_SCALE], dtype=torch.float32, device=x.device)
+        packed, sf = nvfp4.quantize(x, gs, swizzled=False)
+        sf = sf.view(torch.uint8)
+        return Rows([packed, sf], ((sf != 0x7F) & (sf != 0x7E)).all(-1))
+    if entry == "fp8_static":
+        inv = fp8.reciprocal(torch.tensor([FP8_SCALE], dtype=torch.float32, device=x.device))
+        out = fp8.quantize_static(x, inv)
+        magnitude = out.view(torch.uint8) & 0x7F
+        return Rows([out], ((magnitude != 0x7E) & (magnitude != 0x7F)).all(-1))
+    if entry == "fp8_group":
+        out, scales = fp8.quantize_group(x)
+        return Rows([out, scales], torch.isfinite(scales).all(-1))
+    raise AssertionError(entry)
+
+
+def _fused_quantizes_twin(entry: str, dirty: Rows, twin: torch.Tensor, where: str) -> None:
+    """Quantized entries: the fused bytes == the reference quantizer of the twin's output, every row."""
+    want = _quantized_twin(entry, twin)
+    differ = (want.bytes != dirty.bytes).any(-1).nonzero()[:, 0].tolist()
+    assert not differ, (f"{len(differ)} rows of the fused bytes differ from quantize(twin) on the poisoned inputs: "
+                        f"{_ranges(differ)[:200]} ({where})")
 
 
 def _seeing_rows_poisoned(dirty: Rows, sees, h, hkv, kv_head, col, tensor, value, where) -> None:
@@ -341,6 +389,9 @@ def test_varlen_poison_reaches_no_hidden_row(entry, heads, tensor, value, case):
         want = kernels.attention(q, dirty_k, dirty_v, cu, max_seqlen, softmax_scale=d**-0.5, backend="reference")
         _hidden_rows_near_reference(dirty, want.cpu(), hidden, where)
         _seeing_rows_poisoned(dirty, sees, h, hkv, kv_head, col, tensor, value, where)
+    else:
+        twin = kernels.attention(q, dirty_k, dirty_v, cu, max_seqlen, softmax_scale=d**-0.5, backend="fa4")
+        _fused_quantizes_twin(entry, dirty, twin, where)
     _verdict(clean, dirty, hidden, sees, predicted, lengths, where, "varlen")
 
 
@@ -439,4 +490,6 @@ def test_paged_poison_reaches_no_hidden_row(entry, heads, page_size, tensor, whe
         want, _ = reference.paged_attention(q, dirty_k, dirty_v, cu, seqused, args["page_table"], True, d**-0.5)
         _hidden_rows_near_reference(dirty, want.cpu(), hidden, where)
         _seeing_rows_poisoned(dirty, sees, h, hkv, kv_head, col, tensor, value, where)
+    else:
+        _fused_quantizes_twin(entry, dirty, fa4_forward.fa4_attention_paged(q, dirty_k, dirty_v, **args), where)
     _verdict(clean, dirty, hidden, sees, predicted, query_lens, where, "paged")

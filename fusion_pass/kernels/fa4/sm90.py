@@ -71,6 +71,7 @@ __all__ = [
     "check_fa4_paged_args",
     "compile_nvfp4_kernel",
     "compile_twin_kernel",
+    "compile_unchanged_kernel",
     "kernel_config",
     "launchers",
     "paged_launchers",
@@ -78,10 +79,10 @@ __all__ = [
     "PAGED_TWIN",
 ]
 
-KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/6"
+KERNEL_VERSION = "fusion_pass.fa4_sm90_nvfp4/7"
 """First element of the compile-cache key; bump it whenever ``sm90_kernel.py`` or ``nvfp4_block.py`` changes."""
 
-TWIN_VERSION = "fusion_pass.fa4_sm90_twin/2"
+TWIN_VERSION = "fusion_pass.fa4_sm90_twin/3"
 """First element of the twin's compile-cache key; bump it whenever ``sm90_twin.py`` changes."""
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
@@ -256,6 +257,20 @@ def compile_twin_kernel(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, config: Sm9
     what = f"the SM90 twin (FA4 epilogue{', LSE' if lse is not None else ''}) attention kernel"
     return _compile("fusion_pass_fa4_sm90_twin", (TWIN_VERSION, kind), FlashAttentionForwardSm90Twin, False, q, k, v,
                     outputs, cu_seqlens, cu_seqlens_k, config, causal, what, seqused_k, page_table)
+
+
+def compile_unchanged_kernel(q, k, v, out, cu_seqlens, cu_seqlens_k, config: Sm90Config, causal):
+    """FA4's SM90 class as FA4 ships it (no put-back of masked values: ``sm90_exact``), compiled as the twin is
+    (:func:`compile_twin_kernel`, no LSE): the benchmarks' baseline for the put-back's cost; called as
+    ``kernel(q, k, v, out, None, softmax_scale, cu_seqlens, cu_seqlens_k)``. No entry point runs it."""
+    from fusion_pass.kernels.fa4.sm90_twin import FlashAttentionForwardSm90Unchanged
+
+    def outputs(to_cute_tensor):
+        return to_cute_tensor(out), None
+
+    return _compile("fusion_pass_fa4_sm90_unchanged", (TWIN_VERSION, "unchanged"), FlashAttentionForwardSm90Unchanged,
+                    False, q, k, v, outputs, cu_seqlens, cu_seqlens_k, config, causal,
+                    "FA4's SM90 forward unchanged (the put-back's baseline)")
 
 
 def _config_picker(config: Sm90Config | None):

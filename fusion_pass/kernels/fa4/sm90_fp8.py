@@ -28,10 +28,10 @@ from fusion_pass.kernels.fa4.sm90_configs import Sm90Config, config_for, seqlen_
 __all__ = ["FP8_KERNEL_VERSION", "FP8_GROUP_KERNEL_VERSION", "compile_fp8_static_kernel", "compile_fp8_group_kernel",
            "fa4_attention_fp8_static_varlen", "fa4_attention_fp8_group_varlen"]
 
-FP8_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_static/2"
+FP8_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_static/3"
 """The FP8 kernel's key starts with it and :data:`KERNEL_VERSION`; bump it whenever ``sm90_fp8_kernel.py`` changes."""
 
-FP8_GROUP_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_group/3"
+FP8_GROUP_KERNEL_VERSION = "fusion_pass.fa4_sm90_fp8_group/4"
 """The group kernel's key starts with it and :data:`KERNEL_VERSION`; bump it whenever ``sm90_fp8_group_kernel.py``
 or its base class's ``sm90_fp8_kernel.py`` changes."""
 

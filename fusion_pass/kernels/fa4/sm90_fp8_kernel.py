@@ -5,7 +5,8 @@ Imported only by :mod:`fusion_pass.kernels.fa4.sm90_fp8` when the FP8 kernel is 
 
 :class:`FlashAttentionForwardSm90Fp8Static` subclasses the NVFP4 kernel
 (:class:`~fusion_pass.kernels.fa4.sm90_kernel.FlashAttentionForwardSm90Nvfp4`): FA4's main loop unchanged, the
-NVFP4 class's ``mma`` (which stashes ``aux_data.tensors`` on ``self`` while the kernel body is traced) inherited.
+base's ``mma`` (which stashes ``aux_data.tensors`` on ``self`` while the kernel body is traced) and its put-back of
+masked values (first in the epilogue) inherited.
 It overrides:
 
 ``__init__``
@@ -46,7 +47,6 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierFwd
-from flash_attn.cute.utils import AuxData
 
 from fusion_pass.kernels.fa4.sm90_kernel import FlashAttentionForwardSm90Nvfp4
 
@@ -119,7 +119,7 @@ class FlashAttentionForwardSm90Fp8Static(FlashAttentionForwardSm90Nvfp4):
             mCuSeqlensK,
             mSeqUsedK=mSeqUsedK,
             mPageTable=mPageTable,
-            aux_data=AuxData((mOut, mAux), None),
+            aux_data=self.aux_data(mQ, mK, mV, mPageTable, (mOut, mAux)),
             stream=stream,
         )
 
@@ -142,7 +142,8 @@ class FlashAttentionForwardSm90Fp8Static(FlashAttentionForwardSm90Nvfp4):
     ):
         assert mLSE is None, "the FP8 epilogue writes no LSE"
         assert not self.pack_gqa, "the FP8 epilogue needs pack_gqa=False (one head per tile)"
-        mOut, mAux = self._nvfp4_out  # stashed by the inherited mma (mAux: the format's second tensor)
+        mOut, mAux = self._outputs  # stashed by the inherited mma (mAux: the format's second tensor)
+        self.put_back_masked_values(acc_O, lse, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
 
         # 1) FA4's own first half (as the NVFP4 epilogue): fp32 acc -> query dtype -> sO (stmatrix)
         rO = cute.make_fragment_like(acc_O, self.dtype)

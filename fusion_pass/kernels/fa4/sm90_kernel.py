@@ -7,31 +7,28 @@ they must be module-level definitions; keeping them here lets ``fa4_sm90``
 import without FA4).
 
 :class:`FlashAttentionForwardSm90Nvfp4` subclasses
+:class:`~fusion_pass.kernels.fa4.sm90_exact.FlashAttentionForwardSm90Exact`, itself
 ``flash_attn.cute.flash_fwd_sm90.FlashAttentionForwardSm90`` (flash-attn-4
 4.0.0b36, nvidia-cutlass-dsl 4.8.0; pinned in ``pyproject.toml``). The main loop
 (TMA loads of Q/K/V, the wgmma QK^T and PV products, online softmax, causal
-masking, the varlen tile scheduler) is FA4's, unchanged. It overrides three
-methods:
+masking, the varlen tile scheduler) is FA4's, unchanged; the base's ``mma``
+stashes FA4's ``AuxData`` tensors on ``self`` at trace time (``AuxData`` is the
+one argument FA4 forwards unchanged from the host function into ``mma``, which
+calls ``epilogue``; a tensor stored on ``self`` in the host function cannot be
+used inside the kernel) and its put-back of masked values runs first in the
+epilogue. It overrides two methods:
 
 ``__call__`` (host, ``@cute.jit``)
     A signature of our own: ``(mQ, mK, mV, mO, mOq, mSF, mGS, softmax_scale,
     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mPageTable, stream)`` (the last two
     None but for a paged KV cache; they go to FA4's ``__call__`` unchanged,
     as FA4's own interface passes them). It calls FA4's ``__call__`` with the
-    three NVFP4 tensors packed into FA4's ``AuxData`` argument, because
-    ``AuxData`` is the one argument that FA4 forwards, unchanged, from the host
-    function through ``kernel`` into ``mma``. A tensor stored on ``self`` in the
-    host function cannot be used inside the kernel (the DSL rejects a value
-    defined outside the kernel region), so this is the only way in without
-    restating ``kernel``'s 36-parameter signature.
-``mma`` (trace time only, not jitted)
-    FA4's ``epilogue`` does not receive ``aux_data``; ``mma`` does and calls
-    ``epilogue``. The override binds ``mma``'s arguments, stashes
-    ``aux_data.tensors`` on ``self`` and calls FA4's ``mma``. It runs while the
-    kernel body is being traced, so the stashed values are kernel parameters of
-    the region that ``epilogue`` is traced in. Three lines.
+    inputs and the three NVFP4 tensors packed into ``AuxData``
+    (:meth:`~fusion_pass.kernels.fa4.sm90_exact.FlashAttentionForwardSm90Exact.aux_data`),
+    so no restating of ``kernel``'s 36-parameter signature.
 ``epilogue`` (device, ``@cute.jit``)
-    Replaces FA4's bf16/fp16 store. Its first half is FA4's own: the fp32
+    Replaces FA4's bf16/fp16 store. It puts back the masked values first
+    (``put_back_masked_values``). Its first half is FA4's own: the fp32
     accumulator (already divided by the softmax row sum) is rounded to the
     query dtype and written to shared memory ``sO`` through FA4's stmatrix
     tiled copy. FA4's TMA store of ``sO`` to ``mO`` is *not* issued; instead
@@ -40,7 +37,7 @@ methods:
     and one scale byte to global memory (the block code shared with the SM100
     kernel, :mod:`fusion_pass.kernels.fa4.nvfp4_block`). Because the values quantized are
     exactly the bf16/fp16 values FA4 would have stored, the output bytes equal
-    ``nvfp4.quantize(FA4's own output)`` bit for bit.
+    ``nvfp4.quantize`` of the twin's output (FA4's forward with the same put-back) bit for bit.
 
 Tensors (T = total tokens of the varlen batch, H query heads, Dv = v head dim):
 
@@ -67,7 +64,6 @@ whole blocks of one row per pass).
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -77,8 +73,8 @@ from cutlass import Float32
 from flash_attn.cute import utils as fa_utils
 from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
 from flash_attn.cute.named_barrier import NamedBarrierFwd
-from flash_attn.cute.utils import AuxData
 
+from fusion_pass.kernels.fa4.sm90_exact import FlashAttentionForwardSm90Exact
 from fusion_pass.kernels.fa4.nvfp4_block import BLOCK, quantize_block, store_block
 
 __all__ = ["FlashAttentionForwardSm90Nvfp4"]
@@ -89,7 +85,7 @@ __all__ = ["FlashAttentionForwardSm90Nvfp4"]
 # ---------------------------------------------------------------------------
 
 
-class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
+class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90Exact):
     """FA4's SM90 forward whose epilogue writes NVFP4 (module docstring)."""
 
     @cute.jit
@@ -109,7 +105,8 @@ class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
         mPageTable: Optional[cute.Tensor] = None,
         stream: cuda.CUstream = None,  # last: TVM-FFI fills it with the caller's current stream
     ):
-        super().__call__(
+        FlashAttentionForwardSm90.__call__(
+            self,
             mQ,
             mK,
             mV,
@@ -120,15 +117,9 @@ class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
             mCuSeqlensK,
             mSeqUsedK=mSeqUsedK,
             mPageTable=mPageTable,
-            aux_data=AuxData((mOq, mSF, mGS), None),
+            aux_data=self.aux_data(mQ, mK, mV, mPageTable, (mOq, mSF, mGS)),
             stream=stream,
         )
-
-    def mma(self, *args, **kwargs):
-        # Trace time, inside the kernel region: aux_data's tensors are kernel parameters here.
-        bound = inspect.signature(FlashAttentionForwardSm90.mma).bind(self, *args, **kwargs)
-        self._nvfp4_out = bound.arguments["aux_data"].tensors
-        return super().mma(*args, **kwargs)
 
     @cute.jit
     def epilogue(
@@ -149,7 +140,8 @@ class FlashAttentionForwardSm90Nvfp4(FlashAttentionForwardSm90):
     ):
         assert mLSE is None, "the NVFP4 epilogue writes no LSE"
         assert not self.pack_gqa, "the NVFP4 epilogue needs pack_gqa=False (one head per tile)"
-        mOq, mSF, mGS = self._nvfp4_out
+        mOq, mSF, mGS = self._outputs
+        self.put_back_masked_values(acc_O, lse, seqlen, tiled_mma, tidx, m_block, head_idx, batch_idx)
 
         # 1) FA4's own first half: fp32 acc -> query dtype -> sO (stmatrix). The first barrier
         #    makes sure every warpgroup has finished reading sQ/V (sO aliases sQ).
