@@ -402,18 +402,28 @@ def test_split_ceiling_by_hand():
     assert steps_mod.split_ceiling_ms(prefill, dims, 2, launch_us=5) == steps_mod.ceiling_ms(3, dims, 2, launch_us=5)
 
 
+def _varlen_args(name, q, k, cu_seqlens, max_seqlen, kw):
+    """A logged varlen call: ``(kernel, arguments that pick the rows)``."""
+    return (name, q.shape[0], tuple(cu_seqlens.tolist()), max_seqlen, tuple(kw["cu_seqlens_k"].tolist()),
+            kw["max_seqlen_k"], k.shape[0])
+
+
+def _paged_args(name, q, k_cache, kw):
+    """A logged paged call: ``(kernel, arguments that pick the rows)``."""
+    return (name, q.shape[0], tuple(kw["cu_seqlens"].tolist()), kw["max_seqlen"], tuple(kw["seqused_k"].tolist()),
+            tuple(map(tuple, kw["page_table"].tolist())), kw["max_seqlen_k"], k_cache.shape[1])
+
+
 def _logging_kernels(log: list):
     """The reference kernels, each call logged as ``(kernel, arguments that pick the rows)``."""
     ref = REFERENCE_KERNELS()
 
     def attention(q, k, v, cu_seqlens, max_seqlen, **kw):
-        log.append(("attention", q.shape[0], tuple(cu_seqlens.tolist()), max_seqlen,
-                    tuple(kw["cu_seqlens_k"].tolist()), kw["max_seqlen_k"], k.shape[0]))
+        log.append(_varlen_args("attention", q, k, cu_seqlens, max_seqlen, kw))
         return ref.attention(q, k, v, cu_seqlens, max_seqlen, **kw)
 
     def fused(q, k, v, **kw):
-        log.append(("fused", q.shape[0], tuple(kw["cu_seqlens"].tolist()), kw["max_seqlen"],
-                    tuple(kw["cu_seqlens_k"].tolist()), kw["max_seqlen_k"], k.shape[0]))
+        log.append(_varlen_args("fused", q, k, kw["cu_seqlens"], kw["max_seqlen"], kw))
         ref.fused(q, k, v, **kw)
 
     def quantize_into(x, gs, packed, scales):
@@ -424,16 +434,12 @@ def _logging_kernels(log: list):
         log.append(("quantize_rows", x.shape[0], row_start))
         ref.quantize_rows(x, gs, packed, scales, row_start)
 
-    def paged_args(name, q, k_cache, kw):
-        return (name, q.shape[0], tuple(kw["cu_seqlens"].tolist()), kw["max_seqlen"], tuple(kw["seqused_k"].tolist()),
-                tuple(map(tuple, kw["page_table"].tolist())), kw["max_seqlen_k"], k_cache.shape[1])
-
     def attention_paged(q, k_cache, v_cache, **kw):
-        log.append(paged_args("attention_paged", q, k_cache, kw))
+        log.append(_paged_args("attention_paged", q, k_cache, kw))
         return ref.attention_paged(q, k_cache, v_cache, **kw)
 
     def fused_paged(q, k_cache, v_cache, **kw):
-        log.append(paged_args("fused_paged", q, k_cache, kw))
+        log.append(_paged_args("fused_paged", q, k_cache, kw))
         ref.fused_paged(q, k_cache, v_cache, **kw)
 
     return ref._replace(attention=attention, fused=fused, quantize_into=quantize_into, quantize_rows=quantize_rows,
@@ -928,20 +934,16 @@ def _fp8_logging_kernels(log: list):
     ref = FP8_REFERENCE_KERNELS()
 
     def attention(q, k, v, cu_seqlens, max_seqlen, **kw):
-        log.append(("attention", q.shape[0], tuple(cu_seqlens.tolist()), max_seqlen,
-                    tuple(kw["cu_seqlens_k"].tolist()), kw["max_seqlen_k"], k.shape[0]))
+        log.append(_varlen_args("attention", q, k, cu_seqlens, max_seqlen, kw))
         return ref.attention(q, k, v, cu_seqlens, max_seqlen, **kw)
 
     def fused(q, k, v, **kw):
         assert kw["nan_to_max"] is False, "the native form's NaN rule"
-        log.append(("fused", q.shape[0], tuple(kw["cu_seqlens"].tolist()), kw["max_seqlen"],
-                    tuple(kw["cu_seqlens_k"].tolist()), kw["max_seqlen_k"], k.shape[0]))
+        log.append(_varlen_args("fused", q, k, kw["cu_seqlens"], kw["max_seqlen"], kw))
         ref.fused(q, k, v, **kw)
 
     def attention_paged(q, k_cache, v_cache, **kw):
-        log.append(("attention_paged", q.shape[0], tuple(kw["cu_seqlens"].tolist()), kw["max_seqlen"],
-                    tuple(kw["seqused_k"].tolist()), tuple(map(tuple, kw["page_table"].tolist())), kw["max_seqlen_k"],
-                    k_cache.shape[1]))
+        log.append(_paged_args("attention_paged", q, k_cache, kw))
         return ref.attention_paged(q, k_cache, v_cache, **kw)
 
     def quant(x, inv_scale):

@@ -125,7 +125,8 @@ def test_quant_matches_reference_bytes_up_to_the_largest_global_scale(gs_value, 
     x[2, 3], x[3, 40] = float("nan"), float("inf")
     x[4, :16] = amax[4, 0, 0]
     x[4, 5] = 0.0
-    x[5, 16:32] = 2.0**-9 * 6 / gs_value  # t = 2**-9: the smallest nonzero scale, whatever the draw (normal at the largest gs)
+    # t = 2**-9, the smallest nonzero scale, whatever the draw (a normal float at the largest gs)
+    x[5, 16:32] = 2.0**-9 * 6 / gs_value
     x = x.to(dtype)  # bfloat16 keeps float32's exponent range: the tiny blocks survive the cast
     x = torch.where(x.float().abs() < 2.0**-126, 0.0, x.float()).to(dtype).to(DEVICE)
     want_packed, want_scales = nvfp4.quantize(x, gs)

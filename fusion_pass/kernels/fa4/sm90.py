@@ -245,7 +245,8 @@ def compile_nvfp4_kernel(q, k, v, o, output, output_scale, scale_bytes, cu_seqle
 
 def compile_twin_kernel(q, k, v, out, lse, cu_seqlens, cu_seqlens_k, config: Sm90Config, causal, *, seqused_k=None,
                         page_table=None):
-    """The compiled twin (FA4's SM90 class, FA4's epilogue) for these tensors' static properties and ``config``;
+    """The compiled twin (FA4's SM90 class with the put-back of masked values, FA4's epilogue) for these tensors'
+    static properties and ``config``;
     ``lse``: None or float32 ``[H, T]`` (compiled separately). Same constructor arguments and compile options as
     :func:`compile_nvfp4_kernel` (:func:`_compile`)."""
     from fusion_pass.kernels.fa4.sm90_twin import FlashAttentionForwardSm90Twin
@@ -357,8 +358,10 @@ def fa4_attention_varlen(
     configuration's sequence-length class (the kernel reads lengths from the offsets). Causal masking is
     bottom-right aligned when ``Lk != Lq``: query ``i`` sees keys ``j <= i + (Lk - Lq)`` (FA4 4.0.0b36
     ``mask.py`` ``apply_mask``: column limit ``row + 1 + seqlen_k - seqlen_q``; ``block_info.get_n_block_min_max``
-    likewise). FA4's SM90 class with the configuration of :func:`fa4_attention_nvfp4_varlen`, ``pack_gqa=False``
-    and one CTA per tile: ``nvfp4.quantize(fa4_attention_varlen(...))`` and the fused call produce the same bytes.
+    likewise). FA4's SM90 class, with the put-back of masked values (``sm90_exact``: a NaN or Inf in a value a row
+    does not see reaches none of its elements), the configuration of :func:`fa4_attention_nvfp4_varlen`,
+    ``pack_gqa=False`` and one CTA per tile: ``nvfp4.quantize(fa4_attention_varlen(...))`` and the fused call
+    produce the same bytes.
 
     Returns:
         ``out``; with ``return_lse``, ``(out, lse)`` where ``lse`` float32 ``[T, H]`` is
